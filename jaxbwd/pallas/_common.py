@@ -1,0 +1,244 @@
+"""Shared mechanics of jaxbwd's Pallas kernels: tiling, masked tiles, launch, lowering.
+
+Everything that depends on the Pallas backend or the JAX version lives here, so the
+kernel files hold only kernel math. jaxbwd's kernels use Pallas's Triton backend
+(``jax.experimental.pallas.triton``). From jax 0.11 that backend is deprecated in
+favour of Mosaic GPU; it is still the one that lowers the same source on jax 0.10.2
+through 0.12.x, so jaxbwd keeps using it, shows JAX's deprecation warning once per
+process instead of once per kernel, and keeps backend-specific code (loads, stores,
+compiler parameters) in this file so that a Mosaic GPU variant can sit beside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# JAX warns at every Triton lowering; one notice per process is enough.
+warnings.filterwarnings(
+    "once", message=r".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
+)
+
+# Largest tile (elements) one program holds per operand: 8192 f32 values over up to
+# 8 warps is 32 registers per thread per operand, which leaves room for x, dy and w.
+MAX_TILE = 8192
+# Programs of a persistent grid (row loops accumulating weight-gradient partials).
+# Two per SM on an H100/H200 (132 SMs); each writes one f32 row of partial sums, so the
+# partial buffer stays small and the final reduction is a cheap deterministic XLA sum.
+PERSISTENT_PROGRAMS = 264
+
+GPU_DEVICE_KIND = "NVIDIA H200"
+GPU_NUM_CORES = 132
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+    """How a [rows, cols] problem is cut into power-of-two tiles.
+
+    ``block_cols`` covers the whole row when it fits in ``MAX_TILE`` (one pass over the
+    data); otherwise the kernel loops over ``num_col_blocks`` column chunks.
+    """
+
+    n_rows: int
+    n_cols: int
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+    @property
+    def num_col_blocks(self) -> int:
+        return cdiv(self.n_cols, self.block_cols)
+
+    @property
+    def num_row_blocks(self) -> int:
+        return cdiv(self.n_rows, self.block_rows)
+
+
+def row_tiling(n_rows: int, n_cols: int, *, max_tile: int = MAX_TILE, max_block_rows: int = 64) -> RowTiling:
+    block_cols = min(next_pow2(n_cols), max_tile)
+    block_rows = max(1, min(max_tile // block_cols, max_block_rows, next_pow2(n_rows)))
+    tile = block_rows * block_cols
+    num_warps = max(1, min(8, tile // 1024))
+    return RowTiling(n_rows, n_cols, block_rows, block_cols, num_warps)
+
+
+def tile_index(block_row, block_col, t: RowTiling):
+    """Row and column indices and the in-bounds mask of tile (block_row, block_col)."""
+    rows = block_row * t.block_rows + jnp.arange(t.block_rows)
+    cols = block_col * t.block_cols + jnp.arange(t.block_cols)
+    mask = (rows[:, None] < t.n_rows) & (cols[None, :] < t.n_cols)
+    return rows, cols, mask
+
+
+def load(ref, idx, mask, other=0.0, dtype=jnp.float32):
+    """Masked load of ``ref.at[idx]``, out-of-bounds lanes set to ``other``, cast to ``dtype``."""
+    return plgpu.load(ref.at[idx], mask=mask, other=other).astype(dtype)
+
+
+def store(ref, idx, value, mask):
+    plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
+
+
+def load_tile(ref, rows, cols, mask, other=0.0):
+    return load(ref, (rows[:, None], cols[None, :]), mask, other)
+
+
+def store_tile(ref, rows, cols, value, mask):
+    store(ref, (rows[:, None], cols[None, :]), value, mask)
+
+
+def sigmoid(x):
+    # 1 / (1 + exp(-x)) saturates cleanly to 0 and 1 in f32 (exp overflows to inf -> 0).
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def erf(x):
+    """erf in f32 from Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7).
+
+    Triton has no erf intrinsic that Pallas lowers, so kernels use this rational form.
+    """
+    a1, a2, a3, a4, a5, p = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429, 0.3275911
+    ax = jnp.abs(x)
+    t = 1.0 / (1.0 + p * ax)
+    poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t
+    y = 1.0 - poly * jnp.exp(-ax * ax)
+    return jnp.where(x < 0, -y, y)
+
+
+def _has_abstract_gpu() -> bool:
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover - older API
+        return False
+    dev = getattr(mesh, "abstract_device", None)
+    return dev is not None and getattr(dev, "platform", None) in ("cuda", "rocm", "gpu")
+
+
+def _check_can_run(name: str, interpret: bool) -> None:
+    if interpret or _has_abstract_gpu():
+        return
+    if jax.default_backend() == "cpu":
+        raise ValueError(
+            f"jaxbwd: kernel {name!r} was asked to run as a Pallas GPU kernel, but the default "
+            "backend is CPU. Use implementation='xla', turn on interpret mode "
+            "(jaxbwd.config.use(interpret=True) or JAXBWD_INTERPRET=1), or lower for a GPU "
+            "with jaxbwd.pallas.lower_for_gpu."
+        )
+
+
+def call(
+    kernel: Callable[..., None],
+    *,
+    name: str,
+    grid: Sequence[int],
+    out_shape: Any,
+    interpret: bool,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    flops: int = 0,
+    transcendentals: int = 0,
+    bytes_accessed: int = 0,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
+    mask their own tiles), a name, a cost estimate and Triton compiler parameters."""
+    _check_can_run(name, interpret)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=tuple(int(g) for g in grid),
+        interpret=interpret,
+        name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=num_stages),
+        cost_estimate=pl.CostEstimate(
+            flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
+        ),
+    )
+
+
+def nbytes(*arrays) -> int:
+    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays))
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = GPU_DEVICE_KIND, num_cores: int = GPU_NUM_CORES):
+    """Lets Pallas's Triton lowering run on a machine without a GPU.
+
+    From jax 0.12 the lowering asks for GPU info; an abstract mesh with an abstract CUDA
+    device supplies it. On older jax the mesh is accepted and does no harm.
+    """
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",),
+        abstract_device=jax.sharding.AbstractDevice(
+            device_kind=device_kind, num_cores=num_cores, platform="cuda"
+        ),
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lower_for_gpu(fn: Callable[..., Any], *args, **kwargs) -> str:
+    """Lowers ``jax.jit(fn)(*args, **kwargs)`` for CUDA from any machine; returns StableHLO text.
+
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated). Pallas kernels
+    appear as ``__gpu$xla.gpu.triton`` custom calls that carry the kernel's name.
+    """
+    with abstract_gpu():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+        return lowered.as_text()
+
+
+def triton_kernel_names(hlo_text: str) -> list[str]:
+    """Names of the Pallas Triton kernels in a lowered module (one per custom call)."""
+    import re
+
+    names = []
+    for line in hlo_text.splitlines():
+        if "xla.gpu.triton" in line:
+            m = re.search(r'name = "([^"]+)"', line)
+            names.append(m.group(1) if m else "?")
+    return names
+
+
+def row_reduce_then_write(t: RowTiling, load_chunk, row_sums, write_chunk):
+    """The two-phase shape of every row-wise backward (norms, softmax).
+
+    ``load_chunk(j)`` loads column chunk ``j`` of the current row block, ``row_sums(tiles)``
+    returns a tuple of [block_rows] f32 partial sums over that chunk, ``write_chunk(j, tiles,
+    sums)`` uses the full-row sums to write outputs. When the row fits in one chunk the
+    tiles are loaded once and stay in registers; otherwise the chunks are read twice (the
+    second read mostly hits L2). Returns ``write_chunk``'s result for the single-chunk case,
+    ``None`` otherwise.
+    """
+    if t.num_col_blocks == 1:
+        tiles = load_chunk(0)
+        return write_chunk(0, tiles, row_sums(tiles))
+
+    def acc_body(j, acc):
+        return tuple(a + s for a, s in zip(acc, row_sums(load_chunk(j))))
+
+    first = row_sums(load_chunk(0))
+    sums = jax.lax.fori_loop(1, t.num_col_blocks, acc_body, first)
+
+    def write_body(j, carry):
+        write_chunk(j, load_chunk(j), sums)
+        return carry
+
+    jax.lax.fori_loop(0, t.num_col_blocks, write_body, 0)
+    return None

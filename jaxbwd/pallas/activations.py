@@ -1,0 +1,251 @@
+"""Backward kernels of silu, gelu, swiglu, glu and softmax, and the derivative math they share.
+
+The derivative functions at the top are the single statement of each activation's
+gradient; the kernels below and the XLA backward rules in ``jaxbwd/vjp/activations.py``
+both call them, so the two implementations cannot drift apart. They take and return
+float32 (float64 on the XLA path) and are written to stay finite for any finite input:
+``sigmoid`` saturates to exactly 0 or 1, and every term that multiplies a large ``x`` is
+a factor that is exactly 0 by then (``1 - s``, ``1 - tanh**2``, ``exp(-x**2 / 2)``).
+
+Kernels:
+
+- ``silu_bwd``, ``gelu_bwd``, ``swiglu_bwd``: one fused elementwise pass over the
+  flattened inputs (a 1-D grid of power-of-two blocks, masked tail). Each reads the
+  saved inputs and dy once and writes the gradients once, recomputing the activation
+  instead of reading a saved one.
+- ``glu_bwd``: the same over [rows, d] tiles of the fused ``[..., 2d]`` input; a program
+  reads the gate and up halves of its rows and dy, and writes both halves of dx.
+- ``softmax_bwd``: row-wise ``dx = y * (dy - delta)``, ``delta = sum(dy * y)`` over the
+  last axis, through ``C.row_reduce_then_write``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+ACTIVATIONS = ("silu", "gelu", "gelu_exact")
+
+# Elementwise kernels are bandwidth-bound: 2048 elements over 4 warps is 16 per thread,
+# two 16-byte vector loads per bf16 operand, and about 8K programs at [8192, 4096].
+ELEMENTWISE_BLOCK = 2048
+ELEMENTWISE_WARPS = 4
+# glu tiles: at most 1024 columns so that common FFN widths (4096, 5120, 14336) are a
+# whole number of column blocks and the masked tail is small for the rest.
+GLU_MAX_BLOCK_COLS = 1024
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715
+_INV_SQRT_2 = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+# Approximate flops and transcendentals per element of each backward, for cost estimates.
+_COST = {"silu": (8, 1), "gelu": (16, 1), "gelu_exact": (24, 2)}
+_GATED_EXTRA_FLOPS = 6  # the product rule and the clamp masks
+
+
+# ------------------------------------------------------------------ derivative math
+def silu_and_grad(x):
+    """``silu(x) = x * sigmoid(x)`` and ``silu'(x) = s * (1 + x * (1 - s))``."""
+    s = C.sigmoid(x)
+    return x * s, s * (1.0 + x * (1.0 - s))
+
+
+def gelu_and_grad(x, *, approximate: bool, erf: Callable = C.erf):
+    """GELU and its derivative.
+
+    Tanh form (``approximate``): ``gelu = x/2 * (1 + t)``, ``t = tanh(c * (x + k x**3))``,
+    ``gelu' = (1 + t)/2 + x/2 * (1 + t)(1 - t) * c * (1 + 3k x**2)``. ``(1 + t)(1 - t)``
+    rather than ``1 - t**2`` keeps precision where ``|t|`` is near 1, and it is formed
+    before multiplying by ``x`` so that it is exactly 0 (not 0 * inf) for large ``|x|``.
+
+    Exact form: ``gelu = x * Phi(x)``, ``gelu' = Phi(x) + x * phi(x)``. ``erf`` is a
+    parameter because Triton has no erf that Pallas lowers: kernels use ``C.erf``, the
+    XLA rule passes ``jax.lax.erf``.
+    """
+    if approximate:
+        t = jnp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * (x * x * x)))
+        half_x_sech2 = 0.5 * (x * ((1.0 + t) * (1.0 - t)))
+        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + half_x_sech2 * (
+            _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
+        )
+    cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
+    return x * cdf, cdf + x * (_INV_SQRT_2PI * jnp.exp(-0.5 * x * x))
+
+
+def activation_and_grad(activation: str, x, *, erf: Callable = C.erf):
+    """``act(x)`` and ``act'(x)`` for ``activation`` in ``ACTIVATIONS``."""
+    if activation == "silu":
+        return silu_and_grad(x)
+    return gelu_and_grad(x, approximate=activation == "gelu", erf=erf)
+
+
+def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erf: Callable = C.erf):
+    """dgate and dup of ``act(g) * u`` with ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``.
+
+    The clamp is gpt-oss's. Its gradient is 0 where a value was clamped and 1 at and
+    inside the bounds (torch's ``clamp`` convention, which gpt-oss trains with).
+    """
+    g, u = gate, up
+    if limit is not None:
+        g, u = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    a, da = activation_and_grad(activation, g, erf=erf)
+    dgate, dup = dy * u * da, dy * a
+    if limit is not None:
+        dgate = jnp.where(gate <= limit, dgate, 0.0)
+        dup = jnp.where(jnp.abs(up) <= limit, dup, 0.0)
+    return dgate, dup
+
+
+# ------------------------------------------------------------- elementwise kernels
+def _elementwise_kernel(*refs, grads: Callable, n_in: int, n: int, block: int):
+    in_refs, out_refs = refs[:n_in], refs[n_in:]
+    idx = pl.program_id(0) * block + jnp.arange(block)
+    mask = idx < n
+    outs = grads(*(C.load(r, idx, mask) for r in in_refs))
+    for r, v in zip(out_refs, outs):
+        C.store(r, idx, v, mask)
+
+
+def _elementwise_bwd(name: str, grads: Callable, inputs, out_dtypes, *, flops: int,
+                     transcendentals: int, interpret: bool):
+    """One fused pass: ``grads(*inputs)`` over the flattened inputs, outputs in ``out_dtypes``.
+
+    ``inputs`` share one shape; each output has that shape. Empty inputs skip the launch.
+    """
+    shape = inputs[0].shape
+    n = math.prod(shape)
+    if n == 0:
+        return tuple(jnp.zeros(shape, d) for d in out_dtypes)
+    flat = [a.reshape(-1) for a in inputs]
+    block = min(C.next_pow2(n), ELEMENTWISE_BLOCK)
+    out_shape = [jax.ShapeDtypeStruct((n,), d) for d in out_dtypes]
+    outs = C.call(
+        functools.partial(_elementwise_kernel, grads=grads, n_in=len(flat), n=n, block=block),
+        name=name, grid=(C.cdiv(n, block),), out_shape=out_shape, interpret=interpret,
+        num_warps=min(ELEMENTWISE_WARPS, max(1, block // 256)),
+        flops=flops * n, transcendentals=transcendentals * n,
+        bytes_accessed=C.nbytes(*flat) + sum(n * jnp.dtype(d).itemsize for d in out_dtypes),
+    )(*flat)
+    return tuple(o.reshape(shape) for o in outs)
+
+
+def silu_bwd(x, dy, *, interpret: bool = False):
+    """dx of silu. x, dy: same shape and dtype. Returns dx in x's dtype."""
+    (dx,) = _elementwise_bwd(
+        "silu_bwd", lambda x, dy: (dy * silu_and_grad(x)[1],), (x, dy), (x.dtype,),
+        flops=_COST["silu"][0], transcendentals=_COST["silu"][1], interpret=interpret,
+    )
+    return dx
+
+
+def gelu_bwd(x, dy, *, approximate: bool, interpret: bool = False):
+    """dx of gelu (tanh form when ``approximate``). x, dy: same shape and dtype."""
+    key = "gelu" if approximate else "gelu_exact"
+    (dx,) = _elementwise_bwd(
+        "gelu_bwd", lambda x, dy: (dy * gelu_and_grad(x, approximate=approximate)[1],),
+        (x, dy), (x.dtype,),
+        flops=_COST[key][0], transcendentals=_COST[key][1], interpret=interpret,
+    )
+    return dx
+
+
+def swiglu_bwd(gate, up, dy, *, limit: Optional[float], interpret: bool = False):
+    """dgate, dup of ``silu(gate) * up`` (clamped when ``limit``). All same shape; grads in
+    the dtypes of gate and up."""
+    grads = functools.partial(gated_grads, activation="silu", limit=limit)
+    return _elementwise_bwd(
+        "swiglu_bwd", grads, (gate, up, dy), (gate.dtype, up.dtype),
+        flops=_COST["silu"][0] + _GATED_EXTRA_FLOPS, transcendentals=_COST["silu"][1],
+        interpret=interpret,
+    )
+
+
+# ---------------------------------------------------------------------- glu kernel
+def _glu_bwd_kernel(x_ref, dy_ref, dx_ref, *, t: C.RowTiling, activation: str, limit: Optional[float]):
+    # x and dx are [R, 2d]: the up half of tile (i, j) sits d columns to the right.
+    rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
+    gate = C.load_tile(x_ref, rows, cols, mask)
+    up = C.load_tile(x_ref, rows, cols + t.n_cols, mask)
+    dy = C.load_tile(dy_ref, rows, cols, mask)
+    dgate, dup = gated_grads(gate, up, dy, activation=activation, limit=limit)
+    C.store_tile(dx_ref, rows, cols, dgate, mask)
+    C.store_tile(dx_ref, rows, cols + t.n_cols, dup, mask)
+
+
+def glu_bwd(x, dy, *, activation: str, limit: Optional[float], interpret: bool = False):
+    """dx of ``act(x[:, :d]) * x[:, d:]`` (clamped when ``limit``).
+
+    Args:
+      x: [R, 2d]. dy: [R, d], x's dtype.
+    Returns:
+      dx [R, 2d] in x's dtype: dgate in the first d columns, dup in the last d.
+    """
+    R, d = dy.shape
+    if R * d == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    block_cols = min(C.next_pow2(d), GLU_MAX_BLOCK_COLS)
+    block_rows = max(1, min(C.next_pow2(R), ELEMENTWISE_BLOCK // block_cols))
+    warps = min(ELEMENTWISE_WARPS, max(1, block_rows * block_cols // 256))
+    t = C.RowTiling(R, d, block_rows=block_rows, block_cols=block_cols, num_warps=warps)
+    flops, trans = _COST[activation]
+    # Row blocks on grid axis 0: it is the only axis that may exceed 65535 programs.
+    return C.call(
+        functools.partial(_glu_bwd_kernel, t=t, activation=activation, limit=limit),
+        name="glu_bwd", grid=(t.num_row_blocks, t.num_col_blocks),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret,
+        num_warps=t.num_warps, flops=(flops + _GATED_EXTRA_FLOPS) * R * d,
+        transcendentals=trans * R * d, bytes_accessed=2 * C.nbytes(x) + C.nbytes(dy),
+    )(x, dy)
+
+
+# ------------------------------------------------------------------ softmax kernel
+def _softmax_bwd_kernel(y_ref, dy_ref, dx_ref, *, t: C.RowTiling):
+    rb = pl.program_id(0)
+
+    def load_chunk(j):
+        rows, cols, mask = C.tile_index(rb, j, t)
+        # Masked lanes load y = dy = 0, so they add nothing to delta.
+        return rows, cols, mask, C.load_tile(y_ref, rows, cols, mask), C.load_tile(dy_ref, rows, cols, mask)
+
+    def row_sums(tiles):
+        *_, y, dy = tiles
+        return (jnp.sum(y * dy, axis=1),)
+
+    def write_chunk(j, tiles, sums):
+        rows, cols, mask, y, dy = tiles
+        C.store_tile(dx_ref, rows, cols, y * (dy - sums[0][:, None]), mask)
+
+    C.row_reduce_then_write(t, load_chunk, row_sums, write_chunk)
+
+
+def softmax_bwd(y, dy, *, interpret: bool = False):
+    """dx of softmax over the last axis from the saved output.
+
+    ``dx = y * (dy - delta)``, ``delta = sum(dy * y)`` per row (the softmax Jacobian
+    ``diag(y) - y y^T`` applied to dy). A row of zeros in y (a fully -inf input row)
+    gives dx = 0.
+
+    Args:
+      y, dy: [R, D], same dtype.
+    Returns:
+      dx [R, D] in y's dtype.
+    """
+    R, D = y.shape
+    if R * D == 0:
+        return jnp.zeros(y.shape, y.dtype)
+    t = C.row_tiling(R, D)
+    return C.call(
+        functools.partial(_softmax_bwd_kernel, t=t),
+        name="softmax_bwd", grid=(t.num_row_blocks,),
+        out_shape=jax.ShapeDtypeStruct((R, D), y.dtype), interpret=interpret,
+        num_warps=t.num_warps, flops=4 * R * D,
+        # Rows longer than one tile are read twice (the second read mostly from L2).
+        bytes_accessed=C.nbytes(y, dy) * (1 if t.num_col_blocks == 1 else 2) + C.nbytes(y),
+    )(y, dy)

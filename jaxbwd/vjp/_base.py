@@ -1,0 +1,111 @@
+"""Argument checks and dispatch shared by the custom_vjp ops.
+
+Errors name the op, the argument, what was expected and what came, and are raised at
+trace time, before any kernel is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbwd import config
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """The resolved implementation, a static (hashable) argument of every custom_vjp."""
+
+    kind: str  # "pallas" or "xla"
+    interpret: bool
+
+    @property
+    def pallas(self) -> bool:
+        return self.kind == "pallas"
+
+
+def impl(implementation: Optional[str], op: str) -> Impl:
+    return Impl(config.resolve(implementation, op), config.interpret())
+
+
+def _dtype_name(x) -> str:
+    return str(jnp.result_type(x)) if hasattr(x, "dtype") else type(x).__name__
+
+
+def check_array(op: str, name: str, x: Any) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"jaxbwd.{op}: {name} must be an array, got {type(x).__name__}")
+
+
+def check_float(op: str, name: str, x: Any) -> None:
+    check_array(op, name, x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"jaxbwd.{op}: {name} must have a floating dtype (float32, bfloat16, float16), "
+            f"got {_dtype_name(x)}"
+        )
+
+
+def check_int(op: str, name: str, x: Any) -> None:
+    check_array(op, name, x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"jaxbwd.{op}: {name} must have an integer dtype, got {_dtype_name(x)}")
+
+
+def check_ndim(op: str, name: str, x: Any, *, min_ndim: int = 0, ndim: Optional[int] = None, what: str = "") -> None:
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(
+            f"jaxbwd.{op}: {name} must have rank {ndim}{' ' + what if what else ''}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if x.ndim < min_ndim:
+        raise ValueError(
+            f"jaxbwd.{op}: {name} must have rank >= {min_ndim}{' ' + what if what else ''}, "
+            f"got shape {tuple(x.shape)}"
+        )
+
+
+def check_shape(op: str, name: str, x: Any, expected: Sequence[int], what: str = "") -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(
+            f"jaxbwd.{op}: {name} must have shape {tuple(expected)}{' ' + what if what else ''}, "
+            f"got {tuple(x.shape)}"
+        )
+
+
+def check_positive(op: str, name: str, value: Any) -> None:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python number, got a traced value")
+    if not np.isscalar(value) or isinstance(value, (bool, np.bool_)) or not value > 0:
+        raise ValueError(f"jaxbwd.{op}: {name} must be a positive number, got {value!r}")
+
+
+def check_static_number(op: str, name: str, value: Any) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python number, got a traced value")
+    if not np.isscalar(value) or isinstance(value, (bool, np.bool_, str)):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a Python number, got {value!r}")
+    return float(value)
+
+
+def check_same_dtype(op: str, names: Sequence[str], arrays: Sequence[Any]) -> None:
+    dtypes = [jnp.dtype(a.dtype) for a in arrays]
+    if any(d != dtypes[0] for d in dtypes):
+        got = ", ".join(f"{n}={d}" for n, d in zip(names, dtypes))
+        raise TypeError(f"jaxbwd.{op}: {', '.join(names)} must share one dtype, got {got}")
+
+
+def rows(x):
+    """[..., D] -> [R, D] (free reshape) and the leading shape to restore."""
+    lead = x.shape[:-1]
+    return x.reshape(-1, x.shape[-1]), lead
+
+
+def acc_dtype(*xs):
+    """Accumulation dtype: float32 for 16/32-bit inputs, float64 when an input is float64."""
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)

@@ -1,0 +1,325 @@
+"""silu, gelu, swiglu, glu and softmax: custom_vjp ops with fused backward kernels.
+
+Forward (XLA): computed in float32 (float64 stays float64), output in the input's dtype.
+Saved for the backward: the inputs only, nothing derived (the activation is recomputed,
+which costs no extra memory traffic in a pass that reads the inputs anyway); softmax saves
+only its output y, since its gradient needs nothing else. Backward: the Pallas kernels in
+``jaxbwd/pallas/activations.py`` or the same formulas in XLA, both built on that file's
+derivative functions.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbwd.pallas import activations as kernels
+from jaxbwd.vjp import _base as B
+
+
+def _cf(x):
+    """The compute dtype: float32, or float64 when the input is float64 (numerical checks)."""
+    return x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+
+
+def _act(activation, x):
+    if activation == "silu":
+        return x * jax.nn.sigmoid(x)
+    return jax.nn.gelu(x, approximate=activation == "gelu")
+
+
+def _clamp(gate, up, limit):
+    if limit is None:
+        return gate, up
+    return jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+
+
+def _check_limit(op, limit):
+    if limit is None:
+        return None
+    B.check_static_number(op, "limit", limit)
+    B.check_positive(op, "limit", limit)
+    return float(limit)
+
+
+# -------------------------------------------------------------------------------- silu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _silu(x, impl):
+    return _act("silu", _cf(x)).astype(x.dtype)
+
+
+def _silu_fwd(x, impl):
+    return _silu(x, impl), x
+
+
+def _silu_bwd(impl, x, dy):
+    if impl.pallas:
+        return (kernels.silu_bwd(x, dy, interpret=impl.interpret),)
+    return ((_cf(dy) * kernels.silu_and_grad(_cf(x))[1]).astype(x.dtype),)
+
+
+_silu.defvjp(_silu_fwd, _silu_bwd)
+
+
+def silu(x, *, implementation=None):
+    """SiLU (swish): ``x * sigmoid(x)``, elementwise.
+
+    Args:
+      x: [...] float32, bfloat16 or float16 (any shape, including scalars).
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype, computed in float32.
+
+    Residuals: x. Backward: ``dx = dy * s * (1 + x * (1 - s))``, ``s = sigmoid(x)``, one
+    fused elementwise kernel (``silu_bwd``). Finite for every finite x.
+
+    Raises:
+      TypeError: x not a floating array.
+      ValueError: unknown implementation.
+
+    Source: Elfwing, Uchibe & Doya, "Sigmoid-Weighted Linear Units for Neural Network
+    Function Approximation in Reinforcement Learning" (2017); Ramachandran, Zoph & Le,
+    "Searching for Activation Functions" (2017).
+    """
+    op = "silu"
+    B.check_float(op, "x", x)
+    return _silu(x, B.impl(implementation, op))
+
+
+# -------------------------------------------------------------------------------- gelu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gelu(x, approximate, impl):
+    return _act("gelu" if approximate else "gelu_exact", _cf(x)).astype(x.dtype)
+
+
+def _gelu_fwd(x, approximate, impl):
+    return _gelu(x, approximate, impl), x
+
+
+def _gelu_bwd(approximate, impl, x, dy):
+    if impl.pallas:
+        return (kernels.gelu_bwd(x, dy, approximate=approximate, interpret=impl.interpret),)
+    da = kernels.gelu_and_grad(_cf(x), approximate=approximate, erf=jax.lax.erf)[1]
+    return ((_cf(dy) * da).astype(x.dtype),)
+
+
+_gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+def gelu(x, *, approximate=True, implementation=None):
+    """GELU, ``x * Phi(x)``, elementwise; the tanh approximation when ``approximate``.
+
+    Args:
+      x: [...] float32, bfloat16 or float16.
+      approximate: bool. ``True``: ``x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x**3)))``
+        (GPT-2, ``jax.nn.gelu``'s default); ``False``: exact, ``Phi`` the normal CDF.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype, computed in float32.
+
+    Residuals: x. Backward: one fused elementwise kernel (``gelu_bwd``); the exact form's
+    erf is a rational approximation in the kernel (|error| <= 1.5e-7), since Triton has none.
+
+    Raises:
+      TypeError: x not floating; approximate not a bool.
+      ValueError: unknown implementation.
+
+    Source: Hendrycks & Gimpel, "Gaussian Error Linear Units (GELUs)" (2016).
+    """
+    op = "gelu"
+    B.check_float(op, "x", x)
+    if not isinstance(approximate, (bool, np.bool_)):
+        raise TypeError(f"jaxbwd.gelu: approximate must be a Python bool, got {approximate!r}")
+    return _gelu(x, bool(approximate), B.impl(implementation, op))
+
+
+# ------------------------------------------------------------------------------ swiglu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _swiglu(gate, up, limit, impl):
+    g, u = _clamp(_cf(gate), _cf(up), limit)
+    return (_act("silu", g) * u).astype(gate.dtype)
+
+
+def _swiglu_fwd(gate, up, limit, impl):
+    return _swiglu(gate, up, limit, impl), (gate, up)
+
+
+def _swiglu_bwd(limit, impl, res, dy):
+    gate, up = res
+    if impl.pallas:
+        return kernels.swiglu_bwd(gate, up, dy, limit=limit, interpret=impl.interpret)
+    dgate, dup = kernels.gated_grads(_cf(gate), _cf(up), _cf(dy), activation="silu", limit=limit)
+    return dgate.astype(gate.dtype), dup.astype(up.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def swiglu(gate, up, *, limit=None, implementation=None):
+    """SwiGLU: ``silu(gate) * up``, elementwise, optionally clamped as in gpt-oss.
+
+    Args:
+      gate, up: [...] same shape and floating dtype (the two FFN input projections).
+      limit: ``None`` or a positive Python number: ``gate = min(gate, limit)`` and
+        ``up = clip(up, -limit, limit)`` before the product (gpt-oss uses 7.0). The gradient
+        is 0 where a value was clamped.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in gate's dtype, computed in float32.
+
+    Residuals: gate and up. Backward: one fused elementwise kernel (``swiglu_bwd``) that
+    reads gate, up and dy once and writes dgate and dup once.
+
+    Raises:
+      TypeError: gate or up not floating, or of different dtypes; limit traced or not a number.
+      ValueError: gate and up shapes differ; limit <= 0; unknown implementation.
+
+    Source: Shazeer, "GLU Variants Improve Transformer" (2020); the clamp follows OpenAI's
+    gpt-oss reference implementation (2025).
+    """
+    op = "swiglu"
+    B.check_float(op, "gate", gate)
+    B.check_float(op, "up", up)
+    B.check_shape(op, "up", up, gate.shape, what="(gate's shape)")
+    B.check_same_dtype(op, ("gate", "up"), (gate, up))
+    limit = _check_limit(op, limit)
+    return _swiglu(gate, up, limit, B.impl(implementation, op))
+
+
+# --------------------------------------------------------------------------------- glu
+def _halves(x):
+    d = x.shape[-1] // 2
+    return x[..., :d], x[..., d:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _glu(x, activation, limit, impl):
+    g, u = _clamp(*_halves(_cf(x)), limit)
+    return (_act(activation, g) * u).astype(x.dtype)
+
+
+def _glu_fwd(x, activation, limit, impl):
+    return _glu(x, activation, limit, impl), x
+
+
+def _glu_bwd(activation, limit, impl, x, dy):
+    if impl.pallas:
+        x2, _ = B.rows(x)
+        dx = kernels.glu_bwd(x2, dy.reshape(-1, dy.shape[-1]), activation=activation, limit=limit,
+                             interpret=impl.interpret)
+        return (dx.reshape(x.shape),)
+    gate, up = _halves(_cf(x))
+    dgate, dup = kernels.gated_grads(gate, up, _cf(dy), activation=activation, limit=limit, erf=jax.lax.erf)
+    return (jnp.concatenate([dgate, dup], axis=-1).astype(x.dtype),)
+
+
+_glu.defvjp(_glu_fwd, _glu_bwd)
+
+
+def glu(x, *, activation="silu", limit=None, implementation=None):
+    """Gated linear unit on a fused projection: ``act(x[..., :d]) * x[..., d:]``.
+
+    Args:
+      x: [..., 2d] float32, bfloat16 or float16; gate is the first half of the last axis,
+        up the second (one GEMM produces both).
+      activation: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU, tanh form) or ``"gelu_exact"``.
+      limit: ``None`` or a positive Python number; clamps as in :func:`swiglu`.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [..., d] in x's dtype, computed in float32.
+
+    Residuals: x. Backward: one kernel (``glu_bwd``) over [rows, d] tiles that reads both
+    halves of x and dy and writes both halves of dx, so no concatenation follows it.
+
+    Raises:
+      TypeError: x not floating; limit traced or not a number.
+      ValueError: x of rank 0 or with an odd last dimension; unknown activation;
+        limit <= 0; unknown implementation.
+
+    Source: Dauphin et al., "Language Modeling with Gated Convolutional Networks" (2017);
+    Shazeer, "GLU Variants Improve Transformer" (2020); clamp from gpt-oss (2025).
+    """
+    op = "glu"
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, min_ndim=1, what="([..., 2d])")
+    if x.shape[-1] % 2:
+        raise ValueError(
+            f"jaxbwd.glu: x must have an even last dimension (gate and up halves, [..., 2d]), "
+            f"got shape {tuple(x.shape)}"
+        )
+    if activation not in kernels.ACTIVATIONS:
+        raise ValueError(f"jaxbwd.glu: activation must be one of {kernels.ACTIVATIONS}, got {activation!r}")
+    limit = _check_limit(op, limit)
+    return _glu(x, activation, limit, B.impl(implementation, op))
+
+
+# ----------------------------------------------------------------------------- softmax
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _softmax(x, axis, impl):
+    xf = _cf(x)
+    m = jnp.max(xf, axis=axis, keepdims=True)
+    # A fully -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
+    e = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0))
+    s = jnp.sum(e, axis=axis, keepdims=True)
+    return (e / jnp.where(s == 0, 1.0, s)).astype(x.dtype)
+
+
+def _softmax_fwd(x, axis, impl):
+    y = _softmax(x, axis, impl)
+    return y, y
+
+
+def _softmax_bwd(axis, impl, y, dy):
+    if impl.pallas:
+        ym, dym = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
+        y2, _ = B.rows(ym)
+        dx = kernels.softmax_bwd(y2, dym.reshape(y2.shape), interpret=impl.interpret)
+        return (jnp.moveaxis(dx.reshape(ym.shape), -1, axis),)
+    yf, dyf = _cf(y), _cf(dy)
+    delta = jnp.sum(yf * dyf, axis=axis, keepdims=True)
+    return ((yf * (dyf - delta)).astype(y.dtype),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def softmax(x, *, axis=-1, implementation=None):
+    """Softmax along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    Args:
+      x: [...] float32, bfloat16 or float16, rank >= 1. ``-inf`` entries are masked out;
+        a slice that is entirely ``-inf`` gives zeros (not NaN) and zero gradients.
+      axis: int in ``[-x.ndim, x.ndim)``.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      x's shape and dtype; max, exp and sum in float32.
+
+    Residuals: the output y only (the gradient needs nothing else, and y is often kept
+    alive by the caller anyway). Backward: ``dx = y * (dy - sum(dy * y))`` along ``axis``;
+    the kernel (``softmax_bwd``) works on the last axis, other axes are moved there.
+
+    Raises:
+      TypeError: x not floating; axis not an int.
+      ValueError: x of rank 0; axis out of range; unknown implementation.
+
+    Source: Bridle, "Probabilistic Interpretation of Feedforward Classification Network
+    Outputs" (1990); the backward is the softmax Jacobian ``diag(y) - y y^T`` applied to dy.
+    """
+    op = "softmax"
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, min_ndim=1)
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"jaxbwd.softmax: axis must be a Python int, got {axis!r}")
+    axis = int(axis)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(
+            f"jaxbwd.softmax: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"
+        )
+    return _softmax(x, axis % x.ndim, B.impl(implementation, op))

@@ -1,0 +1,172 @@
+"""rms_norm and layer_norm: custom_vjp with f32 row statistics as residuals.
+
+Forward (XLA): statistics in f32, output in x's dtype. Saved for the backward: x, weight
+and the per-row f32 statistics (rstd, and mean for layer_norm): 4 or 8 bytes per row
+beyond the inputs, never the normalised x. Backward: the Pallas kernel in
+``jaxbwd/pallas/norms.py`` or the same formula in XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxbwd.pallas import norms as kernels
+from jaxbwd.vjp import _base as B
+
+
+def _stats(x2, eps, centered):
+    xf = x2.astype(B.acc_dtype(x2))
+    if centered:
+        mean = jnp.mean(xf, axis=-1)
+        var = jnp.mean(jnp.square(xf - mean[:, None]), axis=-1)
+    else:
+        mean = None
+        var = jnp.mean(jnp.square(xf), axis=-1)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+def _normalize(x2, w, b, mean, rstd, offset):
+    xf = x2.astype(B.acc_dtype(x2))
+    xhat = (xf - mean[:, None] if mean is not None else xf) * rstd[:, None]
+    y = xhat * (w.astype(B.acc_dtype(x2)) + offset)
+    if b is not None:
+        y = y + b.astype(B.acc_dtype(x2))
+    return y.astype(x2.dtype)
+
+
+def _xla_bwd(x2, w, dy, mean, rstd, offset):
+    xf, dyf = x2.astype(B.acc_dtype(x2)), dy.astype(B.acc_dtype(x2))
+    xhat = (xf - mean[:, None] if mean is not None else xf) * rstd[:, None]
+    wdy = dyf * (w.astype(B.acc_dtype(x2)) + offset)
+    c1 = jnp.mean(xhat * wdy, axis=-1, keepdims=True)
+    corr = xhat * c1
+    if mean is not None:
+        corr = corr + jnp.mean(wdy, axis=-1, keepdims=True)
+    dx = (wdy - corr) * rstd[:, None]
+    dw = jnp.sum(dyf * xhat, axis=0)
+    db = jnp.sum(dyf, axis=0) if mean is not None else None
+    return dx.astype(x2.dtype), dw, db
+
+
+def _bwd(impl, x2, w, dy, mean, rstd, offset):
+    if impl.pallas:
+        return kernels.norm_bwd(x2, w, dy, mean, rstd, offset=offset, interpret=impl.interpret)
+    return _xla_bwd(x2, w, dy, mean, rstd, offset)
+
+
+# ---------------------------------------------------------------------------- rms_norm
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x, weight, eps, offset, impl):
+    x2, lead = B.rows(x)
+    _, rstd = _stats(x2, eps, False)
+    return _normalize(x2, weight, None, None, rstd, offset).reshape(x.shape)
+
+
+def _rms_norm_fwd(x, weight, eps, offset, impl):
+    x2, _ = B.rows(x)
+    _, rstd = _stats(x2, eps, False)
+    return _normalize(x2, weight, None, None, rstd, offset).reshape(x.shape), (x, weight, rstd)
+
+
+def _rms_norm_bwd(eps, offset, impl, res, dy):
+    x, weight, rstd = res
+    x2, _ = B.rows(x)
+    dx, dw, _ = _bwd(impl, x2, weight, dy.reshape(x2.shape), None, rstd, offset)
+    return dx.reshape(x.shape), dw.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def _check_norm_args(op, x, weight, bias, eps):
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
+    D = x.shape[-1]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        B.check_float(op, name, p)
+        B.check_shape(op, name, p, (D,), what=f"(x's last dimension D={D})")
+    B.check_positive(op, "eps", eps)
+
+
+def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
+    """Root-mean-square layer normalisation: ``x * rsqrt(mean(x**2) + eps) * (weight_offset + weight)``.
+
+    Args:
+      x: [..., D] float32, bfloat16 or float16; normalised over the last axis.
+      weight: [D] floating; the scale. ``weight_offset=1.0`` gives Gemma's ``(1 + weight)``.
+      eps: positive float added to the mean square.
+      weight_offset: float added to ``weight`` (0.0 for Llama, 1.0 for Gemma).
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [..., D] in x's dtype. Statistics are computed in float32.
+
+    Residuals: x, weight and rstd [rows] float32.
+
+    Raises:
+      TypeError: x or weight not floating; eps traced.
+      ValueError: x of rank 0, weight not of shape [D], eps <= 0, unknown implementation.
+
+    Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019). The backward
+    is ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy))``, ``dw = sum(dy * x_hat)``.
+    """
+    op = "rms_norm"
+    _check_norm_args(op, x, weight, None, eps)
+    offset = B.check_static_number(op, "weight_offset", weight_offset)
+    return _rms_norm(x, weight, float(eps), offset, B.impl(implementation, op))
+
+
+# -------------------------------------------------------------------------- layer_norm
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _layer_norm(x, weight, bias, eps, impl):
+    x2, _ = B.rows(x)
+    mean, rstd = _stats(x2, eps, True)
+    return _normalize(x2, weight, bias, mean, rstd, 0.0).reshape(x.shape)
+
+
+def _layer_norm_fwd(x, weight, bias, eps, impl):
+    x2, _ = B.rows(x)
+    mean, rstd = _stats(x2, eps, True)
+    y = _normalize(x2, weight, bias, mean, rstd, 0.0).reshape(x.shape)
+    return y, (x, weight, mean, rstd, jnp.zeros((0,), bias.dtype))
+
+
+def _layer_norm_bwd(eps, impl, res, dy):
+    x, weight, mean, rstd, bias_proto = res
+    x2, _ = B.rows(x)
+    dx, dw, db = _bwd(impl, x2, weight, dy.reshape(x2.shape), mean, rstd, 0.0)
+    return dx.reshape(x.shape), dw.astype(weight.dtype), db.astype(bias_proto.dtype)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
+    """Layer normalisation over the last axis: ``(x - mean) * rsqrt(var + eps) * weight + bias``.
+
+    Args:
+      x: [..., D] float32, bfloat16 or float16.
+      weight, bias: [D] floating.
+      eps: positive float added to the variance.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [..., D] in x's dtype; statistics in float32.
+
+    Residuals: x, weight, mean and rstd [rows] float32 (the normalised x is recomputed).
+
+    Raises:
+      TypeError: x, weight or bias not floating; eps traced.
+      ValueError: x of rank 0, weight/bias not of shape [D], eps <= 0, unknown implementation.
+
+    Source: Ba, Kiros & Hinton, "Layer Normalization" (2016). Backward:
+    ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy) - mean(w*dy))``, ``dw = sum(dy * x_hat)``,
+    ``db = sum(dy)``.
+    """
+    op = "layer_norm"
+    _check_norm_args(op, x, weight, bias, eps)
+    return _layer_norm(x, weight, bias, float(eps), B.impl(implementation, op))

@@ -1,0 +1,116 @@
+"""reshape and row_slice: metadata and slicing ops with explicit XLA backward rules."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxbwd.vjp import _base as B
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reshape(x, shape):
+    return x.reshape(shape)
+
+
+_reshape.defvjp(
+    lambda x, shape: (x.reshape(shape), jnp.zeros(x.shape + (0,), x.dtype)),
+    lambda shape, proto, dy: (dy.reshape(proto.shape[:-1]),),
+)
+
+
+def reshape(x, shape, *, implementation=None):
+    """Reshape ``x`` to ``shape`` (one entry may be -1); the backward reshapes dy back.
+
+    Args:
+      x: [...] floating array. shape: tuple of ints with the same element count.
+      implementation: accepted for uniformity; both are metadata-only in XLA.
+
+    Returns:
+      x viewed as ``shape``, same dtype. Residuals: none (a zero-size shape carrier).
+
+    Raises:
+      TypeError: non-floating x; shape not a sequence of ints.
+      ValueError: element counts differ, or more than one -1.
+
+    Source: a reshape's adjoint is the inverse reshape.
+    """
+    op = "reshape"
+    B.check_float(op, "x", x)
+    try:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    except TypeError:
+        raise TypeError(f"jaxbwd.reshape: shape must be a tuple of ints, got {shape!r}") from None
+    n_neg = sum(s == -1 for s in shape)
+    known = math.prod(s for s in shape if s != -1)
+    if n_neg > 1 or any(s < -1 for s in shape):
+        raise ValueError(f"jaxbwd.reshape: shape may hold at most one -1 and no other negative, got {shape}")
+    if n_neg == 1:
+        if known == 0 or x.size % known:
+            raise ValueError(f"jaxbwd.reshape: cannot reshape {tuple(x.shape)} to {shape}")
+        shape = tuple(x.size // known if s == -1 else s for s in shape)
+    if math.prod(shape) != x.size:
+        raise ValueError(
+            f"jaxbwd.reshape: shape must hold {x.size} elements (x is {tuple(x.shape)}), got {shape}"
+        )
+    B.impl(implementation, op)
+    return _reshape(x, shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _row_slice(x, start, size):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+def _row_slice_fwd(x, start, size):
+    return _row_slice(x, start, size), (start, jnp.zeros(x.shape + (0,), x.dtype))
+
+
+def _row_slice_bwd(size, res, dy):
+    start, proto = res
+    dx = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(proto.shape[:-1], dy.dtype), dy, start, axis=0)
+    return dx, None
+
+
+_row_slice.defvjp(_row_slice_fwd, _row_slice_bwd)
+
+
+def row_slice(x, start, size, *, implementation=None):
+    """Rows ``[start, start + size)`` of ``x`` [R, C] -> [size, C]; ``start`` may be traced.
+
+    As ``lax.dynamic_slice``, a traced ``start`` is clamped to ``[0, R - size]`` so the
+    slice stays in bounds; the backward scatters dy into zeros at the same clamped rows.
+
+    Args:
+      x: [R, C] floating. start: Python int or int scalar array. size: static int, 0 <= size <= R.
+      implementation: accepted for uniformity; the backward is XLA's dynamic_update_slice.
+
+    Returns:
+      [size, C] in x's dtype. Residuals: start (a scalar).
+
+    Raises:
+      TypeError: non-floating x, non-integer start, size not an int.
+      ValueError: x not rank 2, size out of [0, R], a static start out of [0, R - size].
+
+    Source: a slice's adjoint is the zero-padded scatter of the cotangent.
+    """
+    op = "row_slice"
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, ndim=2, what="([R, C])")
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise TypeError(f"jaxbwd.row_slice: size must be a static Python int, got {size!r}")
+    R = x.shape[0]
+    if not 0 <= size <= R:
+        raise ValueError(f"jaxbwd.row_slice: size must be in [0, {R}] (x has {R} rows), got {size}")
+    if isinstance(start, int) and not isinstance(start, bool):
+        if not 0 <= start <= R - size:
+            raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {start}")
+        start = jnp.asarray(start, jnp.int32)
+    else:
+        B.check_int(op, "start", start)
+        if jnp.ndim(start) != 0:
+            raise ValueError(f"jaxbwd.row_slice: start must be a scalar, got shape {tuple(jnp.shape(start))}")
+    B.impl(implementation, op)
+    return _row_slice(x, start, size)
