@@ -1,0 +1,20 @@
+"""jaxbwd: JAX training ops whose backward passes run as Pallas GPU kernels.
+
+Every op is a ``jax.custom_vjp``: the forward saves small residuals (row statistics,
+logsumexp) and the backward runs a Pallas kernel (Triton backend) on GPU, or the same
+formula in XLA elsewhere. Choose per call with ``implementation=None|"pallas"|"xla"``
+or globally with :mod:`jaxbwd.config`.
+"""
+from jaxbwd import config
+from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
+from jaxbwd.vjp.norms import layer_norm, rms_norm
+from jaxbwd.vjp.shape import reshape, row_slice
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "config",
+    "rms_norm", "layer_norm",
+    "matmul", "bias_add", "scale", "residual_add",
+    "reshape", "row_slice",
+]

@@ -1,0 +1,141 @@
+"""Dispatch, config and the light ops' own cases; norm kernel paths the contract's shapes miss."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbwd
+from jaxbwd import config, reference
+from jaxbwd.pallas import _common as C
+
+
+def test_config_context_manager_restores_and_validates():
+    before = (config.default_implementation(), config.interpret())
+    with config.use(implementation="pallas", interpret=False):
+        assert config.default_implementation() == "pallas" and not config.interpret()
+        with config.use(implementation="xla"):
+            assert config.default_implementation() == "xla" and not config.interpret()
+    assert (config.default_implementation(), config.interpret()) == before
+    with pytest.raises(ValueError, match=r"implementation must be None, 'pallas' or 'xla', got 'triton'"):
+        with config.use(implementation="triton"):
+            pass
+
+
+def test_default_is_xla_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert config.resolve(None, "rms_norm") == "xla"
+
+
+def test_environment_variables():
+    code = "from jaxbwd import config; print(config.default_implementation(), config.interpret())"
+    env = dict(os.environ, JAXBWD_IMPLEMENTATION="pallas", JAXBWD_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["pallas", "True"]
+    env["JAXBWD_IMPLEMENTATION"] = "bogus"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "JAXBWD_IMPLEMENTATION must be one of" in bad.stderr
+
+
+def test_pallas_on_cpu_without_interpret_fails_clearly():
+    x, w = jnp.ones((4, 8)), jnp.ones((8,))
+    with config.use(interpret=False):
+        with pytest.raises(ValueError, match=r"kernel 'rms_norm_bwd' .* default backend is CPU"):
+            jax.grad(lambda x: jaxbwd.rms_norm(x, w, implementation="pallas").sum())(x)
+
+
+def test_implementation_is_fixed_at_trace_time():
+    x, w = jnp.ones((4, 8)), jnp.ones((8,))
+    f = jax.jit(jax.grad(lambda x: jaxbwd.rms_norm(x, w).sum()))
+    with config.use(implementation="pallas", interpret=True):
+        text = str(f.trace(x).jaxpr)
+    assert "rms_norm_bwd" in text
+    assert "rms_norm_bwd" not in str(jax.make_jaxpr(jax.grad(lambda x: jaxbwd.rms_norm(x, w).sum()))(x))
+
+
+@pytest.mark.parametrize("D", [9000, 16384 + 5])
+def test_norm_kernels_column_chunk_path(D):
+    """Rows wider than one tile take the chunked two-pass path with read-modify-write partials."""
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(k[0], (3, D))
+    w, b, dy = jax.random.normal(k[1], (D,)), jax.random.normal(k[2], (D,)), jax.random.normal(k[3], (3, D))
+    assert C.row_tiling(3, D).num_col_blocks > 1
+    for op, refop, args in (
+        (jaxbwd.rms_norm, reference.rms_norm, (x, w)),
+        (jaxbwd.layer_norm, reference.layer_norm, (x, w, b)),
+    ):
+        got = jax.vjp(lambda *a: op(*a, implementation="pallas"), *args)[1](dy)
+        want = jax.vjp(refop, *args)[1](dy)
+        chex.assert_trees_all_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_norm_and_bias_kernels_persistent_loop(monkeypatch):
+    """More row blocks than programs: each program walks several row blocks."""
+    monkeypatch.setattr(C, "PERSISTENT_PROGRAMS", 3)
+    k = jax.random.split(jax.random.PRNGKey(1), 4)
+    x, dy = jax.random.normal(k[0], (37, 1000)), jax.random.normal(k[3], (37, 1000))
+    w, b = jax.random.normal(k[1], (1000,)), jax.random.normal(k[2], (1000,))
+    got = jax.vjp(lambda *a: jaxbwd.layer_norm(*a, implementation="pallas"), x, w, b)[1](dy)
+    chex.assert_trees_all_close(got, jax.vjp(reference.layer_norm, x, w, b)[1](dy), atol=2e-4, rtol=1e-4)
+    got = jax.vjp(lambda *a: jaxbwd.bias_add(*a, implementation="pallas"), x, b)[1](dy)
+    chex.assert_trees_all_close(got[1], dy.sum(0), atol=1e-4, rtol=1e-5)
+
+
+def test_rms_norm_weight_offset_is_gemma():
+    x, w = jax.random.normal(jax.random.PRNGKey(0), (4, 16)), jnp.zeros((16,))
+    y = jaxbwd.rms_norm(x, w, weight_offset=1.0)
+    chex.assert_trees_all_close(y, x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6), atol=1e-6)
+
+
+def test_row_slice_traced_start_under_jit():
+    x = jnp.arange(40.0).reshape(10, 4)
+
+    @jax.jit
+    def f(x, s):
+        return jax.grad(lambda x: jnp.sum(jaxbwd.row_slice(x, s, 3) ** 2))(x), jaxbwd.row_slice(x, s, 3)
+
+    g, y = f(x, jnp.int32(2))
+    np.testing.assert_array_equal(y, x[2:5])
+    want = np.zeros((10, 4), np.float32)
+    want[2:5] = 2 * np.asarray(x[2:5])
+    np.testing.assert_array_equal(g, want)
+    # A traced start past the end clamps like lax.dynamic_slice, in both passes.
+    g, y = f(x, jnp.int32(9))
+    np.testing.assert_array_equal(y, x[7:10])
+    assert float(jnp.abs(g[:7]).sum()) == 0.0
+
+
+def test_residual_add_reduces_broadcast_dims():
+    a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 5))
+    b = jax.random.normal(jax.random.PRNGKey(1), (3, 1))
+    ga, gb = jax.grad(lambda a, b: jnp.sum(jnp.sin(jaxbwd.residual_add(a, b))), argnums=(0, 1))(a, b)
+    wa, wb = jax.grad(lambda a, b: jnp.sum(jnp.sin(a + b)), argnums=(0, 1))(a, b)
+    assert gb.shape == (3, 1)
+    chex.assert_trees_all_close((ga, gb), (wa, wb), atol=1e-6)
+
+
+def test_matmul_bf16_accumulates_in_f32():
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 4096)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (4096, 8)).astype(jnp.bfloat16)
+    y = jaxbwd.matmul(x, w)
+    assert y.dtype == jnp.bfloat16
+    exact = x.astype(jnp.float32) @ w.astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - exact) / (jnp.abs(exact) + 1))) < 2e-2
+
+
+def test_cli_list_and_check_run():
+    out = subprocess.run([sys.executable, "-m", "jaxbwd", "list"], capture_output=True, text=True, check=True)
+    assert "rms_norm_bwd" in out.stdout and "XLA by design" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxbwd", "check", "--ops", "rms_norm", "bias_add"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rms_norm  pallas" in out.stdout and "FAIL" not in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "jaxbwd", "check", "--ops", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown op 'nope'" in bad.stderr
