@@ -6,6 +6,7 @@ formula in XLA elsewhere. Choose per call with ``implementation=None|"pallas"|"x
 or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
+from jaxbwd.vjp.activations import gelu, glu, silu, softmax, swiglu
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
 from jaxbwd.vjp.shape import reshape, row_slice
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "config",
     "rms_norm", "layer_norm",
+    "softmax", "silu", "gelu", "swiglu", "glu",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxbwd list | check [--ops ...]``."""
+"""Command line: ``python -m jaxbwd list | check | bench [--ops ...]``."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +46,21 @@ def _check(args) -> int:
     return 1 if failed else 0
 
 
+def _bench(args) -> int:
+    import json
+
+    from jaxbwd import bench
+
+    report = bench.run(args.ops, size=args.size, implementation=args.implementation, repeats=args.repeats)
+    print(bench.format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        bench.plot(report, args.plot)
+    return 0
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m jaxbwd`` and the ``jaxbwd`` script."""
     p = argparse.ArgumentParser(prog="python -m jaxbwd", description="jaxbwd: JAX ops with Pallas backward kernels")
@@ -54,9 +69,16 @@ def main(argv=None) -> int:
     pl.add_argument("--ops", nargs="*", help="op names (default: all)")
     pc = sub.add_parser("check", help="gradient check of each op against autodiff of its reference")
     pc.add_argument("--ops", nargs="*", help="op names (default: all)")
+    pb = sub.add_parser("bench", help="time fwd+bwd vs XLA autodiff of the reference; residual and temp memory")
+    pb.add_argument("--ops", nargs="*", help="op names (default: all)")
+    pb.add_argument("--size", choices=["small", "llm"], default="small")
+    pb.add_argument("--implementation", choices=["pallas", "xla"], default=None)
+    pb.add_argument("--repeats", type=int, default=10)
+    pb.add_argument("--json", help="write the report as JSON")
+    pb.add_argument("--plot", help="write a PNG chart of the ratios")
     args = p.parse_args(argv)
     try:
-        return {"list": _list, "check": _check}[args.cmd](args)
+        return {"list": _list, "check": _check, "bench": _bench}[args.cmd](args)
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2

@@ -3,9 +3,10 @@
 The derivative functions at the top are the single statement of each activation's
 gradient; the kernels below and the XLA backward rules in ``jaxbwd/vjp/activations.py``
 both call them, so the two implementations cannot drift apart. They take and return
-float32 (float64 on the XLA path) and are written to stay finite for any finite input:
-``sigmoid`` saturates to exactly 0 or 1, and every term that multiplies a large ``x`` is
-a factor that is exactly 0 by then (``1 - s``, ``1 - tanh**2``, ``exp(-x**2 / 2)``).
+float32 (float64 on the XLA path) and stay finite for inputs far past where activations
+saturate (x = +-1e4 and beyond): the sigmoids are built from ``exp(-|z|)``, which cannot
+overflow, and every factor that multiplies a large ``x`` (``1 - s``, ``s (1 - s)``,
+``exp(-x**2 / 2)``) is exactly 0 by then.
 
 Kernels:
 
@@ -51,32 +52,47 @@ _GATED_EXTRA_FLOPS = 6  # the product rule and the clamp masks
 
 
 # ------------------------------------------------------------------ derivative math
+def _sigmoid_pair(z):
+    """``sigmoid(z)`` and ``1 - sigmoid(z)``, both to full relative precision, from one exp.
+
+    ``1 - sigmoid(z)`` formed by subtraction loses every digit once sigmoid(z) rounds to
+    1 (z > 17 in f32), and GELU's gradient multiplies exactly that difference by a large
+    x. ``exp(-|z|)`` never overflows, so both values stay finite and exact at saturation.
+    """
+    e = jnp.exp(-jnp.abs(z))
+    big = 1.0 / (1.0 + e)  # sigmoid(|z|), in [0.5, 1]
+    small = e * big  # sigmoid(-|z|) = 1 - sigmoid(|z|)
+    pos = z >= 0
+    return jnp.where(pos, big, small), jnp.where(pos, small, big)
+
+
 def silu_and_grad(x):
-    """``silu(x) = x * sigmoid(x)`` and ``silu'(x) = s * (1 + x * (1 - s))``."""
-    s = C.sigmoid(x)
-    return x * s, s * (1.0 + x * (1.0 - s))
+    """``silu(x) = x * s`` and ``silu'(x) = s * (1 + x * (1 - s))``, ``s = sigmoid(x)``."""
+    s, one_minus_s = _sigmoid_pair(x)
+    return x * s, s * (1.0 + x * one_minus_s)
 
 
 def gelu_and_grad(x, *, approximate: bool, erf: Callable = C.erf):
     """GELU and its derivative.
 
-    Tanh form (``approximate``): ``gelu = x/2 * (1 + t)``, ``t = tanh(c * (x + k x**3))``,
-    ``gelu' = (1 + t)/2 + x/2 * (1 + t)(1 - t) * c * (1 + 3k x**2)``. ``(1 + t)(1 - t)``
-    rather than ``1 - t**2`` keeps precision where ``|t|`` is near 1, and it is formed
-    before multiplying by ``x`` so that it is exactly 0 (not 0 * inf) for large ``|x|``.
+    Tanh form (``approximate``): ``(1 + tanh(u)) / 2 = sigmoid(2u)``, so with
+    ``u = c * (x + k x**3)`` and ``s = sigmoid(2u)``: ``gelu = x * s`` and
+    ``gelu' = s + 2 x s (1 - s) * c * (1 + 3k x**2)``. The sigmoid form avoids the
+    cancellation in ``1 + tanh(u)`` for u << 0 (jax.nn.gelu's own gradient loses about
+    1e-6 absolute there); ``x * s(1 - s)`` is formed first so it is exactly 0, not 0 * inf,
+    for large ``|x|``.
 
     Exact form: ``gelu = x * Phi(x)``, ``gelu' = Phi(x) + x * phi(x)``. ``erf`` is a
     parameter because Triton has no erf that Pallas lowers: kernels use ``C.erf``, the
     XLA rule passes ``jax.lax.erf``.
     """
     if approximate:
-        t = jnp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * (x * x * x)))
-        half_x_sech2 = 0.5 * (x * ((1.0 + t) * (1.0 - t)))
-        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + half_x_sech2 * (
-            _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
-        )
+        u = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * (x * x * x))
+        s, one_minus_s = _sigmoid_pair(2.0 * u)
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * (x * x))
+        return x * s, s + 2.0 * (x * (s * one_minus_s)) * du
     cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
-    return x * cdf, cdf + x * (_INV_SQRT_2PI * jnp.exp(-0.5 * x * x))
+    return x * cdf, cdf + x * (_INV_SQRT_2PI * jnp.exp(-0.5 * (x * x)))
 
 
 def activation_and_grad(activation: str, x, *, erf: Callable = C.erf):

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One-shot GPU check for a single-GPU machine that already has jax with CUDA installed
+# and no network: installs nothing, runs the tests marked `gpu` (real compiled kernels,
+# numerics vs reference at realistic shapes), then the LLM-size benchmark, and writes
+# the log, JSON and chart to $OUT (or the first argument). Budget: under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-bench/results/$(date +%Y-%m-%d)}}
+mkdir -p "$out"
+log="$out/gpu_check.log"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+{
+  echo "== $(date -u +%FT%TZ) $(hostname)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+  python -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())'
+  echo "== tests marked gpu"
+  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -n 40
+  echo "== python -m jaxbwd check"
+  timeout 90 python -m jaxbwd check 2>&1 | tail -n 80
+  echo "== python -m jaxbwd bench --size llm"
+  timeout 180 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
+} 2>&1 | tee "$log"
+echo "wrote $out"

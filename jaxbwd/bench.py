@@ -1,0 +1,223 @@
+"""Benchmarks: ``python -m jaxbwd bench [--ops ...] [--size small|llm] [--json PATH] [--plot PATH]``.
+
+For every op, in one run: forward + backward time of jaxbwd and of ``jax.grad`` of the
+op's plain reference (XLA autodiff), the ratio, achieved bandwidth, residual bytes and
+compiled temporary memory. Timing is the median of repeated runs after warm-up, each
+ended by ``block_until_ready``.
+
+What is counted:
+- bytes moved = differentiable and integer inputs read + output cotangent read + gradients
+  written (the customary lower bound of a fused backward; the forward is counted too by
+  adding the output written once). GB/s = bytes / time; ``of_copy`` divides it by the
+  device's copy bandwidth measured in the same run (read + write of a 256 MiB buffer).
+- TFLOP/s for ops that declare ``flops`` in the registry (attention counts its backward
+  as 2.5x the forward, the FlashAttention-2 convention).
+- residual bytes = the arrays the forward keeps for the backward (the leaves of the vjp
+  closure, inputs included); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
+  of the jitted forward + backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxbwd import config, registry
+
+
+@dataclasses.dataclass
+class BenchRow:
+    """One op at one size: times in ms, bytes, ratios (>1 means jaxbwd is faster / smaller)."""
+
+    op: str
+    shapes: str
+    implementation: str
+    ms: float
+    ms_autodiff: float
+    speedup: float
+    gb_s: float
+    of_copy: float
+    tflop_s: Optional[float]
+    residual_bytes: int
+    residual_bytes_autodiff: int
+    temp_bytes: Optional[int]
+    temp_bytes_autodiff: Optional[int]
+
+
+def _materialise(args, key):
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            k = jax.random.fold_in(key, i)
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                a = jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+            else:
+                a = jnp.zeros(a.shape, a.dtype)
+        out.append(a)
+    return out
+
+
+def bench_inputs(spec: registry.OpSpec, size: str, key):
+    for name, ex in spec.bench:
+        if name == size:
+            args, kwargs = ex.make(key, jnp.dtype("bfloat16"))
+            return list(args), kwargs
+    if size == "llm" and spec.lowering:
+        args, kwargs = spec.lowering[0].make(key, None)
+        return _materialise(args, key), kwargs
+    args, kwargs = spec.examples[0].make(key, jnp.dtype("float32"))
+    return list(args), kwargs
+
+
+def _time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _nbytes(tree) -> int:
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def copy_bandwidth(n_bytes: int = 256 << 20) -> float:
+    """Device copy bandwidth in GB/s (read + write of an ``n_bytes`` f32 buffer)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0001)
+    return 2 * n_bytes / _time(f, x) / 1e9
+
+
+def _temp_bytes(fn, *args) -> Optional[int]:
+    try:
+        mem = jax.jit(fn).lower(*args).compile().memory_analysis()
+        return int(mem.temp_size_in_bytes) if mem is not None else None
+    except Exception:  # memory_analysis is not available on every backend
+        return None
+
+
+def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: float, repeats: int = 10) -> BenchRow:
+    """Times one op's forward + backward against autodiff of its reference."""
+    args, kwargs = bench_inputs(spec, size, jax.random.PRNGKey(0))
+    diff = [args[i] for i in spec.diff_argnums]
+
+    def closure(fn, extra):
+        def f(*d):
+            full = list(args)
+            for i, v in zip(spec.diff_argnums, d):
+                full[i] = v
+            return fn(*full, **kwargs, **extra)
+
+        return f
+
+    ours = closure(spec.fn, {"implementation": implementation})
+    theirs = closure(spec.reference, {})
+    out_shape = jax.eval_shape(ours, *diff)
+    ct = jax.random.normal(jax.random.PRNGKey(1), out_shape.shape, jnp.float32).astype(out_shape.dtype)
+
+    def fwd_bwd(f):
+        def g(ct, *d):
+            out, vjp = jax.vjp(f, *d)
+            return out, vjp(ct)
+
+        return g
+
+    step_ours, step_ref = jax.jit(fwd_bwd(ours)), jax.jit(fwd_bwd(theirs))
+    t_ours = _time(step_ours, ct, *diff, repeats=repeats)
+    t_ref = _time(step_ref, ct, *diff, repeats=repeats)
+    moved = _nbytes(args) + 2 * _nbytes(ct) + _nbytes(diff)
+    flops = spec.flops(*args, **kwargs) if spec.flops else None
+    res_ours = _nbytes(jax.vjp(ours, *diff)[1])
+    res_ref = _nbytes(jax.vjp(theirs, *diff)[1])
+    shapes = " ".join("x".join(map(str, a.shape)) + ":" + jnp.dtype(a.dtype).name for a in args if hasattr(a, "shape"))
+    gb_s = moved / t_ours / 1e9
+    return BenchRow(
+        op=spec.name, shapes=shapes, implementation=implementation,
+        ms=t_ours * 1e3, ms_autodiff=t_ref * 1e3, speedup=t_ref / t_ours,
+        gb_s=gb_s, of_copy=gb_s / copy_gb_s if copy_gb_s else 0.0,
+        tflop_s=(flops / t_ours / 1e12) if flops else None,
+        residual_bytes=res_ours, residual_bytes_autodiff=res_ref,
+        temp_bytes=_temp_bytes(step_ours, ct, *diff), temp_bytes_autodiff=_temp_bytes(step_ref, ct, *diff),
+    )
+
+
+def run(ops: Optional[Sequence[str]] = None, size: str = "small", implementation: Optional[str] = None,
+        repeats: int = 10) -> dict[str, Any]:
+    """Benchmarks the named ops (all when ``None``) and returns a JSON-able report.
+
+    Args:
+      ops: op names. size: ``"small"`` (test shapes, f32) or ``"llm"`` (realistic shapes).
+      implementation: defaults to ``jaxbwd.config.default_implementation()``; on CPU that is
+        XLA (interpret-mode kernels are not benchmarked).
+
+    Raises:
+      ValueError: unknown size. KeyError: unknown op.
+    """
+    if size not in ("small", "llm"):
+        raise ValueError(f"jaxbwd bench: size must be 'small' or 'llm', got {size!r}")
+    impl = implementation or config.default_implementation()
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError("jaxbwd bench: Pallas kernels are benchmarked on a GPU only; use implementation='xla' here")
+    copy = copy_bandwidth()
+    rows = []
+    for spec in registry.ops(ops):
+        rows.append(bench_op(spec, size, impl if spec.has_kernels else "xla", copy, repeats))
+    return {
+        "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind), "size": size, "copy_gb_s": copy,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def _mib(n):
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = ("op", "impl", "ms", "autodiff ms", "speedup", "GB/s", "of copy", "TFLOP/s",
+            "resid MiB", "autodiff resid MiB", "temp MiB", "autodiff temp MiB")
+    rows = [
+        (r["op"], r["implementation"], f"{r['ms']:.3f}", f"{r['ms_autodiff']:.3f}", f"{r['speedup']:.2f}x",
+         f"{r['gb_s']:.1f}", f"{r['of_copy']:.0%}", "-" if r["tflop_s"] is None else f"{r['tflop_s']:.1f}",
+         _mib(r["residual_bytes"]), _mib(r["residual_bytes_autodiff"]), _mib(r["temp_bytes"]), _mib(r["temp_bytes_autodiff"]))
+        for r in report["rows"]
+    ]
+    widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    title = (f"jaxbwd bench ({report['size']}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
+             f"{report['date']}; copy bandwidth {report['copy_gb_s']:.1f} GB/s")
+    return "\n".join([title, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Bar chart of speedup and residual-memory ratio per op (PNG); needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = report["rows"]
+    names = [r["op"] for r in rows]
+    speed = [r["speedup"] for r in rows]
+    mem = [r["residual_bytes_autodiff"] / max(r["residual_bytes"], 1) for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
+    ax.bar(x - 0.2, speed, 0.4, label="speedup vs autodiff (time)")
+    ax.bar(x + 0.2, mem, 0.4, label="autodiff / jaxbwd residual bytes")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(x, names, rotation=45, ha="right")
+    ax.set_yscale("log")
+    ax.set_title(f"jaxbwd vs XLA autodiff, {report['size']}, {report['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,204 @@
+"""Activation-specific cases: saturation, clamping, masked softmax rows, axes, GPU lowering.
+
+The generic contract (forward and grads vs reference, transforms, bad dtypes) comes from
+the registry; this file covers what only activations have. Pallas runs in interpret mode.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbwd import config
+from jaxbwd import reference as ref
+from jaxbwd.pallas import _common as C
+from jaxbwd.vjp.activations import gelu, glu, silu, softmax, swiglu
+
+IMPLS = ("xla", "pallas")
+ACTIVATIONS = ("silu", "gelu", "gelu_exact")
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+    with config.use(interpret=True):
+        yield
+
+
+def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)).astype(dtype)
+
+
+def _vjp(f, args, dy):
+    y, vjp = jax.vjp(f, *args)
+    return y, vjp(dy)
+
+
+def _assert_grads_match(f, f_ref, args, dtype=jnp.float32):
+    y_ref = f_ref(*args)
+    dy = _normal(99, y_ref.shape, dtype)
+    y, grads = _vjp(f, args, dy)
+    _, grads_ref = _vjp(f_ref, args, dy)
+    tol = TOL[dtype]
+    chex.assert_trees_all_close(y, y_ref, atol=tol, rtol=tol)
+    chex.assert_trees_all_equal_dtypes(grads, args)
+    chex.assert_trees_all_close(grads, grads_ref, atol=tol, rtol=tol)
+    return grads
+
+
+def _glu_ref(activation, limit=None):
+    return lambda x: ref.glu(x, activation=activation, limit=limit)
+
+
+# Values far past saturation: exp(-x) overflows at -100 in f32, x**3 is 1e12 at -1e4.
+EXTREMES = jnp.array([100.0, -100.0, -1e4, 1e4, 0.0, 30.0, -30.0, 1.0], jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ["silu", "gelu", "gelu_exact", "swiglu", "swiglu_limit",
+                                "glu_silu", "glu_gelu", "glu_gelu_exact", "glu_gelu_limit"])
+def test_grads_finite_at_extremes(op, impl):
+    x = EXTREMES
+    gate = jnp.repeat(x, x.size)  # every (gate, up) pair of extremes
+    up = jnp.tile(x, x.size)
+    if op == "silu":
+        f, f_ref, args = (lambda x: silu(x, implementation=impl)), ref.silu, (x,)
+    elif op.startswith("gelu"):
+        approx = op == "gelu"
+        f = lambda x: gelu(x, approximate=approx, implementation=impl)
+        f_ref, args = (lambda x: ref.gelu(x, approximate=approx)), (x,)
+    elif op.startswith("swiglu"):
+        limit = 7.0 if op.endswith("limit") else None
+        f = lambda g, u: swiglu(g, u, limit=limit, implementation=impl)
+        f_ref, args = (lambda g, u: ref.swiglu(g, u, limit=limit)), (gate, up)
+    else:
+        act = op[4:].replace("_limit", "")
+        limit = 7.0 if op.endswith("limit") else None
+        f = lambda x: glu(x, activation=act, limit=limit, implementation=impl)
+        f_ref, args = _glu_ref(act, limit), (jnp.concatenate([gate, up])[None],)
+    y, grads = _vjp(f, args, jnp.ones_like(f_ref(*args)))
+    for g in grads:
+        assert bool(jnp.all(jnp.isfinite(g))), (op, g)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    # At saturation the exact derivatives are 0 or 1 (times the other factor): no slack needed
+    # beyond f32 rounding of products up to 1e4 * 1e4.
+    _, grads_ref = _vjp(f_ref, args, jnp.ones_like(y))
+    chex.assert_trees_all_close(grads, grads_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_limit_zeroes_grads_where_clamped(activation, impl):
+    limit = 0.7
+    gate, up = _normal(0, (4, 300), scale=2.0), _normal(1, (4, 300), scale=2.0)
+    if activation == "silu":
+        (dgate, dup) = _assert_grads_match(
+            lambda g, u: swiglu(g, u, limit=limit, implementation=impl),
+            lambda g, u: ref.swiglu(g, u, limit=limit), (gate, up))
+    else:
+        (dx,) = _assert_grads_match(
+            lambda x: glu(x, activation=activation, limit=limit, implementation=impl),
+            _glu_ref(activation, limit), (jnp.concatenate([gate, up], axis=-1),))
+        dgate, dup = dx[:, :300], dx[:, 300:]
+    assert bool(jnp.any(gate > limit)) and bool(jnp.any(jnp.abs(up) > limit))
+    np.testing.assert_array_equal(np.asarray(dgate)[np.asarray(gate > limit)], 0.0)
+    np.testing.assert_array_equal(np.asarray(dup)[np.asarray(jnp.abs(up) > limit)], 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_glu_each_activation(activation, dtype, impl):
+    x = _normal(2, (5, 2 * 123), dtype)  # odd d: masked column tail in the glu tile
+    _assert_grads_match(lambda x: glu(x, activation=activation, implementation=impl),
+                        _glu_ref(activation), (x,), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_elementwise_multi_block_tail(impl):
+    # 3 * 1500 elements: more than one 2048-element block, with a masked tail.
+    x, y = _normal(3, (3, 1500)), _normal(4, (3, 1500))
+    _assert_grads_match(lambda x: silu(x, implementation=impl), ref.silu, (x,))
+    _assert_grads_match(lambda x: gelu(x, implementation=impl), ref.gelu, (x,))
+    _assert_grads_match(lambda g, u: swiglu(g, u, implementation=impl), ref.swiglu, (x, y))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softmax_fully_masked_row(impl):
+    x = _normal(5, (3, 7)).at[1].set(-jnp.inf).at[2, :3].set(-jnp.inf)
+    f = lambda x: softmax(x, implementation=impl)
+    dy = _normal(6, x.shape)
+    y, (dx,) = _vjp(f, (x,), dy)
+    _, (dx_ref,) = _vjp(ref.softmax, (x,), dy)
+    np.testing.assert_array_equal(np.asarray(y[1]), 0.0)
+    assert bool(jnp.all(jnp.isfinite(dx)))
+    np.testing.assert_array_equal(np.asarray(dx[1]), 0.0)
+    np.testing.assert_array_equal(np.asarray(dx[2, :3]), 0.0)
+    chex.assert_trees_all_close(dx, dx_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("axis", [0, 1, -3])
+def test_softmax_axis(axis, impl):
+    x = _normal(7, (4, 5, 6))
+    _assert_grads_match(lambda x: softmax(x, axis=axis, implementation=impl),
+                        lambda x: ref.softmax(x, axis=axis), (x,))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softmax_row_longer_than_one_tile(impl):
+    # 9000 columns > MAX_TILE: the two-phase (sum, then write) path of the kernel.
+    x = _normal(8, (2, 9000))
+    _assert_grads_match(lambda x: softmax(x, implementation=impl), ref.softmax, (x,))
+
+
+def _bwd_fn(op):
+    def f(*args):
+        *xs, dy = args
+        return jax.vjp(lambda *a: op(*a, implementation="pallas"), *xs)[1](dy)
+    return f
+
+
+@pytest.mark.parametrize(
+    "name, op, n_in, x_shape, y_shape",
+    [
+        ("silu_bwd", silu, 1, (8192, 4096), (8192, 4096)),
+        ("gelu_bwd", gelu, 1, (8192, 4096), (8192, 4096)),
+        ("gelu_bwd", lambda x, **k: gelu(x, approximate=False, **k), 1, (8192, 4096), (8192, 4096)),
+        ("swiglu_bwd", lambda g, u, **k: swiglu(g, u, limit=7.0, **k), 2, (8192, 4096), (8192, 4096)),
+        ("glu_bwd", glu, 1, (8192, 2 * 5120), (8192, 5120)),
+        ("glu_bwd", lambda x, **k: glu(x, activation="gelu_exact", limit=7.0, **k), 1, (8192, 2 * 4096), (8192, 4096)),
+        ("softmax_bwd", softmax, 1, (8192, 4096), (8192, 4096)),
+        ("softmax_bwd", softmax, 1, (8, 32000), (8, 32000)),
+        ("softmax_bwd", lambda x, **k: softmax(x, axis=1, **k), 1, (4, 4096, 32), (4, 4096, 32)),
+    ],
+)
+def test_kernel_lowers_for_cuda(name, op, n_in, x_shape, y_shape):
+    bf16 = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct(x_shape, bf16)] * n_in + [jax.ShapeDtypeStruct(y_shape, bf16)]
+    with config.use(interpret=False):
+        hlo = C.lower_for_gpu(_bwd_fn(op), *args)
+    assert C.triton_kernel_names(hlo) == [name]
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: swiglu(jnp.ones((2, 3)), jnp.ones((2, 4))), ValueError, ["swiglu", "up", "(2, 3)", "(2, 4)"]),
+        (lambda: swiglu(jnp.ones(3), jnp.ones(3, jnp.bfloat16)), TypeError, ["swiglu", "gate", "up", "bfloat16"]),
+        (lambda: swiglu(jnp.ones(3), jnp.ones(3), limit=0.0), ValueError, ["swiglu", "limit", "positive", "0.0"]),
+        (lambda: glu(jnp.ones((2, 5))), ValueError, ["glu", "x", "even", "(2, 5)"]),
+        (lambda: glu(jnp.ones((2, 4)), activation="relu"), ValueError, ["glu", "activation", "silu", "'relu'"]),
+        (lambda: glu(jnp.ones((2, 4)), limit=-1), ValueError, ["glu", "limit", "positive", "-1"]),
+        (lambda: glu(jnp.ones((2, 4)), limit="7"), TypeError, ["glu", "limit", "number", "'7'"]),
+        (lambda: softmax(jnp.ones((2, 4)), axis=2), ValueError, ["softmax", "axis", "[-2, 2)", "got 2"]),
+        (lambda: softmax(jnp.ones((2, 4)), axis=0.5), TypeError, ["softmax", "axis", "int", "0.5"]),
+        (lambda: gelu(jnp.ones(3), approximate="tanh"), TypeError, ["gelu", "approximate", "bool", "'tanh'"]),
+        (lambda: silu(jnp.ones(3, jnp.int32)), TypeError, ["silu", "x", "floating", "int32"]),
+    ],
+)
+def test_bad_arguments(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
