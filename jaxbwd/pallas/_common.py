@@ -242,3 +242,31 @@ def row_reduce_then_write(t: RowTiling, load_chunk, row_sums, write_chunk):
 
     jax.lax.fori_loop(0, t.num_col_blocks, write_body, 0)
     return None
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """Tile matmul with f32 accumulation (Triton ``tl.dot``); f32 inputs without TF32.
+
+    Tiles must have every dimension >= 16 when lowered for a GPU (interpret mode accepts any).
+    """
+    allow_tf32 = False if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32).astype(jnp.float32)
+
+
+def finite_or_zero(m):
+    """``m`` where finite, else 0: the safe shift for exp(x - m) when a row's max is -inf."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def online_lse_update(m, s, x):
+    """One step of the online (streaming) logsumexp over the last axis of ``x``.
+
+    ``m`` [rows] is the running max, ``s`` [rows] the running sum of ``exp(x - m)``; masked
+    lanes of ``x`` must hold -inf. Rows that are entirely -inf so far keep ``m = -inf`` and
+    ``s = 0`` without NaN. ``logsumexp = finite_or_zero(m) + log(s)`` at the end (``-inf``
+    for an all -inf row). Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018).
+    """
+    m_new = jnp.maximum(m, jnp.max(x, axis=-1))
+    shift = finite_or_zero(m_new)
+    s_new = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[..., None]), axis=-1)
+    return m_new, s_new

@@ -1,0 +1,374 @@
+"""Flash-attention kernels: forward with logsumexp, FlashAttention-2 backward (dk/dv, dq).
+
+Layout. The kernels read q, out, dout as free [B*T, N*H] views of [B, T, N, H] and k, v as
+[B*S, K*H] views of [B, S, K, H]: the tile of head n, rows r, head-dim columns h is
+``x2[b*T + r, n*H + h]``, so no transpose is ever made. Head dims are padded to a power of
+two (>= 16) by masking the loads, sequence tails by masking rows/columns. The logsumexp
+``lse`` and ``delta = rowsum(out * dout)`` are f32 [B*N, T].
+
+Forward (Dao 2023, FlashAttention-2, Algorithm 1): one program per (query block, b*N + n)
+walks the key blocks with an online softmax and writes out and lse. Backward (Algorithm 2,
+split into two kernels so that nothing is accumulated with atomics):
+
+- ``attention_bwd_dkdv``: one program per (key block, b*K + kv head). It loops over the
+  G = N/K query heads of its kv group and over their query blocks, recomputes
+  ``P = exp(S - lse)`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in f32, so GQA
+  gradients come out with K heads directly.
+- ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
+
+with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
+Causal and sliding-window masks bound the loops, and so do segment ids (each block's
+range of ids gives the range of blocks that can match: ``segment_block_bounds``), so fully
+masked blocks are skipped; the masks are also applied per element. A query row that sees no key has lse = -inf,
+output 0 and zero gradients (the masked ``where`` never lets exp(-inf + inf) through).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Static description of one attention problem (hashable: a kernel parameter)."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    scale: float
+    causal: bool
+    window: Optional[int]
+    softcap: Optional[float]
+    segments: bool
+
+    @property
+    def G(self) -> int:
+        return self.N // self.K
+
+    @property
+    def Hp(self) -> int:
+        return max(16, C.next_pow2(self.H))
+
+
+_BLOCKS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("jaxbwd_attention_blocks", default=None)
+
+
+@contextlib.contextmanager
+def block_sizes(block_q: int, block_k: int):
+    """Overrides the kernels' (power-of-two) block sizes while tracing; for tests of tails
+    and multi-block loops at small shapes. Blocks under 16 only work in interpret mode."""
+    token = _BLOCKS.set((int(block_q), int(block_k)))
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)
+
+
+def _blocks(d: Dims, fwd: bool):
+    """(block_q, block_k, num_warps) for the forward or the backward kernels."""
+    over = _BLOCKS.get()
+    bq_cap = max(16, C.next_pow2(d.T))
+    bk_cap = max(16, C.next_pow2(d.S))
+    if over is not None:
+        bq, bk = over
+    elif fwd:
+        bq, bk = (128, 64) if d.Hp <= 128 else (64, 32)
+    else:
+        bq, bk = (64, 64) if d.Hp <= 128 else (32, 32)
+    if over is None:
+        bq, bk = min(bq, bq_cap), min(bk, bk_cap)
+    num_warps = 4 if d.Hp <= 64 else 8
+    return bq, bk, num_warps
+
+
+def _cdiv_traced(x, n: int):
+    return lax.div(x + (n - 1), n)
+
+
+def _kv_range(d: Dims, r0, bq: int, bk: int):
+    """Key blocks [lo, hi) that query rows [r0, r0 + bq) may see (causal/window bounds)."""
+    hi_col = d.S
+    if d.causal:
+        hi_col = jnp.minimum(d.S, r0 + bq)
+    elif d.window is not None:
+        hi_col = jnp.minimum(d.S, r0 + bq - 1 + d.window)
+    lo = 0
+    if d.window is not None:
+        lo = lax.div(jnp.maximum(0, r0 - d.window + 1), bk)
+    return lo, _cdiv_traced(hi_col, bk) if not isinstance(hi_col, int) else C.cdiv(hi_col, bk)
+
+
+def _q_range(d: Dims, c0, bq: int, bk: int):
+    """Query blocks [lo, hi) whose rows may see keys [c0, c0 + bk)."""
+    lo = 0
+    if d.causal:
+        lo = lax.div(jnp.minimum(c0, d.T), bq)
+    elif d.window is not None:
+        lo = lax.div(jnp.maximum(0, c0 - d.window + 1), bq)
+    if d.window is not None:
+        hi = _cdiv_traced(jnp.minimum(d.T, c0 + bk - 1 + d.window), bq)
+    else:
+        hi = C.cdiv(d.T, bq)
+    return lo, hi
+
+
+def segment_block_bounds(seg_rows, seg_cols, block_rows: int, block_cols: int):
+    """For each row block, the column blocks [lo, hi) holding a segment id in the block's
+    [min, max] id range: int32 [B * row_blocks, 2]. Columns outside it match no row of the
+    block, so the kernels skip them (exact for any ids; tight for packed, sorted ids).
+    Costs a [B, row_blocks, cols] comparison in XLA, no T x S array."""
+    Bsz, R = seg_rows.shape
+    Cn = seg_cols.shape[1]
+    nrb = C.cdiv(R, block_rows)
+    rs = jnp.pad(seg_rows, ((0, 0), (0, nrb * block_rows - R)), mode="edge").reshape(Bsz, nrb, block_rows)
+    mn, mx = rs.min(axis=-1)[..., None], rs.max(axis=-1)[..., None]
+    inside = (seg_cols[:, None, :] >= mn) & (seg_cols[:, None, :] <= mx)  # [B, nrb, cols]
+    pos = jnp.arange(Cn, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(inside, pos, Cn), axis=-1) // block_cols
+    hi = (jnp.max(jnp.where(inside, pos + 1, 0), axis=-1) + block_cols - 1) // block_cols
+    return jnp.stack([lo, hi], axis=-1).reshape(Bsz * nrb, 2).astype(jnp.int32)
+
+
+def _seg_range(d: Dims, bnd_ref, b, blk, n_blocks: int, lo, hi):
+    """Intersects a loop range [lo, hi) with the segment bounds of block ``blk``."""
+    if not d.segments:
+        return lo, hi
+    row = b * n_blocks + blk
+    return jnp.maximum(lo, bnd_ref[row, 0]), jnp.minimum(hi, bnd_ref[row, 1])
+
+
+def _mask(d: Dims, rows, cols, qseg, kseg):
+    r, c = rows[:, None], cols[None, :]
+    m = (r < d.T) & (c < d.S)
+    if d.causal:
+        m = m & (c <= r)
+    if d.window is not None:
+        m = m & (c > r - d.window)
+        if not d.causal:
+            m = m & (c < r + d.window)
+    if qseg is not None:
+        m = m & (qseg[:, None] == kseg[None, :])
+    return m
+
+
+def _logits(d: Dims, q, k):
+    """scale * q k^T (f32) and, under a softcap, tanh(s / c) for the backward."""
+    s = C.dot(q, k, trans_b=True) * d.scale
+    if d.softcap is None:
+        return s, None
+    t = jnp.tanh(s / d.softcap)
+    return d.softcap * t, t
+
+
+def _tile(ref, b, L, rows, head, H, Hp, rmask):
+    """Tile [len(rows), Hp] of head ``head`` from a [B*L, heads*H] view, native dtype."""
+    hc = jnp.arange(Hp)
+    idx = ((b * L + rows)[:, None], (head * H + hc)[None, :])
+    mask = rmask[:, None] & (hc < H)[None, :]
+    return idx, mask, C.load(ref, idx, mask, dtype=ref.dtype)
+
+
+def _segs(d: Dims, qs_ref, ks_ref, b, rows, rmask, cols, cmask):
+    if not d.segments:
+        return None, None
+    qs = C.load(qs_ref, (b, rows), rmask, other=-1, dtype=jnp.int32) if rows is not None else None
+    ks = C.load(ks_ref, (b, cols), cmask, other=-2, dtype=jnp.int32) if cols is not None else None
+    return qs, ks
+
+
+# ---------------------------------------------------------------------------- forward
+def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
+    if d.segments:
+        q_ref, k_ref, v_ref, qs_ref, ks_ref, bnd_ref, o_ref, lse_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, n = bh // d.N, bh % d.N
+    kvh = n // d.G
+    rows = i * bq + jnp.arange(bq)
+    rmask = rows < d.T
+    q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
+
+    def body(j, carry):
+        acc, m, l = carry
+        cols = j * bk + jnp.arange(bk)
+        cmask = cols < d.S
+        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+        s, _ = _logits(d, q, k)
+        mask = _mask(d, rows, cols, qs, ks)
+        s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + C.dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
+    init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    seen = l > 0.0
+    out = acc / jnp.where(seen, l, 1.0)[:, None]
+    C.store(o_ref, q_idx, out, q_mask)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    C.store(lse_ref, (bh, rows), lse, rmask)
+
+
+def _flops(d: Dims) -> int:
+    return 4 * d.B * d.N * d.T * d.S * d.H // (2 if d.causal else 1)
+
+
+def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
+    """Flash-attention forward.
+
+    Args:
+      q2: [B*T, N*H] view of q; k2, v2: [B*S, K*H] views of k, v; qseg [B, T], kseg [B, S]
+        int32 (or ``None`` when ``d.segments`` is False).
+    Returns:
+      out [B*T, N*H] in q's dtype and lse [B*N, T] float32 (-inf for rows that see no key).
+    """
+    bq, bk, nw = _blocks(d, fwd=True)
+    segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
+    inputs = (q2, k2, v2) + segs
+    out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
+    kernel = functools.partial(_fwd_kernel, d=d, bq=bq, bk=bk)
+    return C.call(
+        kernel, name="attention_fwd", grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=out_shape,
+        interpret=interpret, num_warps=nw, num_stages=2, flops=_flops(d),
+        transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
+        bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2) + 4 * d.B * d.N * d.T,
+    )(*inputs)
+
+
+# --------------------------------------------------------------------------- backward
+def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
+    """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile."""
+    s, t = _logits(d, q, k)
+    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    dp = C.dot(do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
+    if d.segments:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dk_ref, dv_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
+    j, bkh = pl.program_id(0), pl.program_id(1)
+    b, kvh = bkh // d.K, bkh % d.K
+    cols = j * bk + jnp.arange(bk)
+    cmask = cols < d.S
+    kv_idx, kv_mask, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+    _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+    _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+    lo, hi = _seg_range(d, bnd_ref, b, j, C.cdiv(d.S, bk), *_q_range(d, j * bk, bq, bk))
+
+    def head(g, carry):
+        n = kvh * d.G + g
+
+        def body(i, carry):
+            dk, dv = carry
+            rows = i * bq + jnp.arange(bq)
+            rmask = rows < d.T
+            _, _, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+            _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+            lse = C.load(lse_ref, (b * d.N + n, rows), rmask)
+            delta = C.load(delta_ref, (b * d.N + n, rows), rmask)
+            qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
+            p, ds = _p_ds(d, q, k, v, do, lse, delta, _mask(d, rows, cols, qs, ks))
+            dv = dv + C.dot(p.astype(do.dtype), do, trans_a=True)
+            dk = dk + C.dot(ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv
+
+        return lax.fori_loop(lo, hi, body, carry)
+
+    zeros = jnp.zeros((bk, d.Hp), jnp.float32)
+    dk, dv = lax.fori_loop(0, d.G, head, (zeros, zeros))
+    C.store(dk_ref, kv_idx, dk * d.scale, kv_mask)
+    C.store(dv_ref, kv_idx, dv, kv_mask)
+
+
+def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
+    if d.segments:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dq_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, n = bh // d.N, bh % d.N
+    kvh = n // d.G
+    rows = i * bq + jnp.arange(bq)
+    rmask = rows < d.T
+    q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    lse = C.load(lse_ref, (bh, rows), rmask)
+    delta = C.load(delta_ref, (bh, rows), rmask)
+    qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
+
+    def body(j, dq):
+        cols = j * bk + jnp.arange(bk)
+        cmask = cols < d.S
+        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+        _, ds = _p_ds(d, q, k, v, do, lse, delta, _mask(d, rows, cols, qs, ks))
+        return dq + C.dot(ds.astype(k.dtype), k)
+
+    lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d.Hp), jnp.float32))
+    C.store(dq_ref, q_idx, dq * d.scale, q_mask)
+
+
+def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: bool = False):
+    """FlashAttention-2 backward: dq [B*T, N*H], dk and dv [B*S, K*H] in the inputs' dtypes.
+
+    ``delta = rowsum(out * dout)`` (f32 [B*N, T]) is computed by XLA: one fused read of out
+    and dout. Arguments are the views described in :func:`attention_fwd`.
+    """
+    bq, bk, nw = _blocks(d, fwd=False)
+    delta = jnp.sum(
+        (o2.astype(jnp.float32) * do2.astype(jnp.float32)).reshape(d.B, d.T, d.N, d.H), axis=-1
+    ).transpose(0, 2, 1).reshape(d.B * d.N, d.T)
+    base = (q2, k2, v2, do2, lse, delta)
+    if d.segments:
+        kv_inputs = base + (qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq))
+        inputs = base + (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk))
+    else:
+        kv_inputs = inputs = base
+    nbytes = C.nbytes(*inputs)
+    dkdv = C.call(
+        functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dkdv",
+        grid=(C.cdiv(d.S, bk), d.B * d.K),
+        out_shape=[jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)],
+        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * _flops(d),
+        transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(k2, v2),
+    )
+    dk, dv = dkdv(*kv_inputs)
+    dq = C.call(
+        functools.partial(_dq_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dq",
+        grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
+        interpret=interpret, num_warps=nw, num_stages=2, flops=int(1.5 * _flops(d)),
+        transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(q2),
+    )(*inputs)
+    return dq, dk, dv

@@ -1,0 +1,120 @@
+"""Forward and backward kernels of cross_entropy over a large vocabulary.
+
+``cross_entropy_fwd``: one program per row block walks the vocabulary in power-of-two
+column tiles (the tail tile masked with -inf) keeping, per row, the online max and sum
+of exponentials (Milakov & Gimelshein 2018), the label's logit and, with label
+smoothing, the sum of the logits. It writes two f32 values per row: the logsumexp
+``lse`` and the loss
+
+    loss = lse - (1 - eps) * x[label] - eps / V * sum(x) + z * lse**2
+
+(0 for ignored rows). Nothing of size [rows, V] is written besides the logits the caller
+already holds.
+
+``cross_entropy_bwd``: one program per (row block, vocab tile) recomputes the softmax
+from the saved ``lse`` and writes
+
+    dlogits = g * ((1 + 2 z lse) * exp(x - lse) - (1 - eps) * onehot(label) - eps / V)
+
+with ``g`` the f32 per-row cotangent (already 0 for ignored rows, already divided by the
+number of valid rows for ``reduction="mean"``). Rows with ``g == 0`` get exact zeros.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+NEG_INF = float("-inf")
+
+
+def _tiling(R: int, V: int) -> C.RowTiling:
+    return C.row_tiling(R, V, max_block_rows=16)
+
+
+def _ce_fwd_kernel(x_ref, lab_ref, lse_ref, loss_ref, *, t: C.RowTiling, eps: float, z: float):
+    rb = pl.program_id(0)
+    rows = rb * t.block_rows + jnp.arange(t.block_rows)
+    rmask = rows < t.n_rows
+    # Labels arrive already validated: -1 marks an ignored (or out-of-range) row.
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+
+    def body(j, carry):
+        m, s, xl, sx = carry
+        _, cols, mask = C.tile_index(rb, j, t)
+        x = C.load_tile(x_ref, rows, cols, mask, other=NEG_INF)
+        m, s = C.online_lse_update(m, s, x)
+        xl = xl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], x, 0.0), axis=1)
+        if eps:
+            sx = sx + jnp.sum(jnp.where(mask, x, 0.0), axis=1)
+        return m, s, xl, sx
+
+    zeros = jnp.zeros((t.block_rows,), jnp.float32)
+    init = (jnp.full((t.block_rows,), NEG_INF, jnp.float32), zeros, zeros, zeros)
+    m, s, xl, sx = jax.lax.fori_loop(0, t.num_col_blocks, body, init)
+    lse = C.finite_or_zero(m) + jnp.log(s)
+    loss = lse - (1.0 - eps) * xl
+    if eps:
+        loss = loss - (eps / t.n_cols) * sx
+    if z:
+        loss = loss + z * lse * lse
+    loss = jnp.where(lab >= 0, loss, 0.0)
+    C.store(lse_ref, rows, lse, rmask)
+    C.store(loss_ref, rows, loss, rmask)
+
+
+def cross_entropy_fwd(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, interpret: bool = False):
+    """Per-row logsumexp and loss of ``logits`` [R, V] (any float dtype) in one pass.
+
+    Args:
+      logits: [R, V]. labels: [R] int32 in [0, V), or -1 for rows that are ignored.
+    Returns:
+      lse [R] float32, loss [R] float32 (0 on ignored rows).
+    """
+    R, V = logits.shape
+    t = _tiling(R, V)
+    kernel = functools.partial(_ce_fwd_kernel, t=t, eps=float(label_smoothing), z=float(z_loss))
+    vec = jax.ShapeDtypeStruct((R,), jnp.float32)
+    return C.call(
+        kernel, name="cross_entropy_fwd", grid=(t.num_row_blocks,), out_shape=(vec, vec),
+        interpret=interpret, num_warps=t.num_warps, flops=6 * R * V, transcendentals=R * V,
+        bytes_accessed=C.nbytes(logits, labels) + 8 * R,
+    )(logits, labels)
+
+
+def _ce_bwd_kernel(x_ref, lab_ref, lse_ref, g_ref, dx_ref, *, t: C.RowTiling, eps: float, z: float):
+    rb, j = pl.program_id(0), pl.program_id(1)
+    rows, cols, mask = C.tile_index(rb, j, t)
+    rmask = rows < t.n_rows
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+    lse = C.finite_or_zero(C.load(lse_ref, rows, rmask))
+    g = C.load(g_ref, rows, rmask)
+    x = C.load_tile(x_ref, rows, cols, mask, other=NEG_INF)
+    p = jnp.exp(x - lse[:, None])
+    if z:
+        p = p * (1.0 + 2.0 * z * lse)[:, None]
+    d = p - jnp.where(cols[None, :] == lab[:, None], 1.0 - eps, 0.0)
+    if eps:
+        d = d - eps / t.n_cols
+    d = jnp.where(g[:, None] != 0.0, g[:, None] * d, 0.0)
+    C.store_tile(dx_ref, rows, cols, d, mask)
+
+
+def cross_entropy_bwd(logits, labels, lse, g, *, label_smoothing: float = 0.0, z_loss: float = 0.0, interpret: bool = False):
+    """dlogits [R, V] in logits' dtype from the saved ``lse`` [R] f32 and row cotangents ``g`` [R] f32.
+
+    ``labels`` [R] int32 as for :func:`cross_entropy_fwd` (-1: ignored; ``g`` must be 0 there).
+    """
+    R, V = logits.shape
+    t = _tiling(R, V)
+    kernel = functools.partial(_ce_bwd_kernel, t=t, eps=float(label_smoothing), z=float(z_loss))
+    return C.call(
+        kernel, name="cross_entropy_bwd", grid=(t.num_row_blocks, t.num_col_blocks),
+        out_shape=jax.ShapeDtypeStruct((R, V), logits.dtype), interpret=interpret,
+        num_warps=t.num_warps, flops=6 * R * V, transcendentals=R * V,
+        bytes_accessed=2 * C.nbytes(logits) + C.nbytes(labels, lse, g),
+    )(logits, labels, lse, g)

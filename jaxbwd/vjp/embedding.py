@@ -1,0 +1,108 @@
+"""embed: table lookup whose backward is a deterministic scatter-add (sorted ids + segment sums).
+
+Forward (XLA gather): ``table[ids]``, zero rows for out-of-range ids. Saved for the
+backward: the ids only (the table is not needed). Backward: ids are mapped to a sort key
+(out-of-range and ``padding_idx`` ids become the sentinel V, i.e. dropped), stably sorted
+by XLA, and the Pallas ``embed_bwd`` kernel sums each row's segment of dy in f32; or, on
+the XLA path, ``segment_sum`` over the same keys.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbwd.pallas import embedding as kernels
+from jaxbwd.vjp import _base as B
+
+
+def _keys(ids, V, padding_idx):
+    """Flat int32 keys: the id where it receives gradient, V (the sentinel) where not."""
+    flat = ids.reshape(-1)
+    ok = (flat >= 0) & (flat < V)
+    if padding_idx is not None:
+        ok = ok & (flat != padding_idx)
+    return jnp.where(ok, flat, V).astype(jnp.int32)
+
+
+def _lookup(ids, table):
+    V = table.shape[0]
+    valid = (ids >= 0) & (ids < V)
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    return jnp.where(valid[..., None], rows, jnp.zeros((), table.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _embed(ids, table, padding_idx, impl):
+    return _lookup(ids, table)
+
+
+def _embed_fwd(ids, table, padding_idx, impl):
+    # A zero-size carrier keeps V, D and the dtype without saving the table.
+    return _lookup(ids, table), (ids, jnp.zeros(table.shape + (0,), table.dtype))
+
+
+def _embed_bwd(padding_idx, impl, res, dy):
+    ids, proto = res
+    V, D = proto.shape[:2]
+    key = _keys(ids, V, padding_idx)
+    dy2 = dy.reshape(-1, D)
+    if impl.pallas:
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        sorted_key = key[order]
+        vocab = jnp.arange(V, dtype=jnp.int32)
+        start = jnp.searchsorted(sorted_key, vocab, side="left").astype(jnp.int32)
+        end = jnp.searchsorted(sorted_key, vocab, side="right").astype(jnp.int32)
+        dtable = kernels.embed_bwd(order, start, end, dy2, num_rows=V, dtype=proto.dtype, interpret=impl.interpret)
+    else:
+        acc = B.acc_dtype(dy2)
+        dtable = jax.ops.segment_sum(dy2.astype(acc), key, num_segments=V + 1)[:V].astype(proto.dtype)
+    return None, dtable
+
+
+_embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+def embed(ids, table, *, padding_idx=None, implementation=None):
+    """Embedding lookup ``table[ids]`` with a deterministic scatter-add backward.
+
+    Args:
+      ids: [...] integer token ids (may be traced, vmapped).
+      table: [V, D] float32, bfloat16 or float16.
+      padding_idx: ``None`` or a Python int in [-V, V) (negative counts from the end, as
+        torch.nn.Embedding). The forward returns that row as stored; its gradient is zero.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [..., D] in table's dtype.
+
+    Out-of-range ids (< 0 or >= V): the forward gives a zero row and the backward drops
+    them; nothing is read or written out of bounds.
+
+    Residuals: ids only (plus a zero-size carrier of the table's shape and dtype).
+
+    Backward: dtable[v] = sum of dy over the tokens with id v, accumulated in float32 and
+    returned in table's dtype. Deterministic: ids are stably sorted and each row's segment
+    is summed by one program in a fixed order (no atomics).
+
+    Raises:
+      TypeError: ids not integer, table not floating, padding_idx not an int.
+      ValueError: table not of rank 2, padding_idx outside [-V, V), unknown implementation.
+
+    Source: the adjoint of a gather is a scatter-add (``torch.nn.Embedding`` semantics for
+    ``padding_idx``).
+    """
+    op = "embed"
+    B.check_int(op, "ids", ids)
+    B.check_float(op, "table", table)
+    B.check_ndim(op, "table", table, ndim=2, what="([V, D])")
+    V = table.shape[0]
+    if padding_idx is not None:
+        if isinstance(padding_idx, jax.core.Tracer) or not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):
+            raise TypeError(f"jaxbwd.{op}: padding_idx must be None or a static Python int, got {padding_idx!r}")
+        if not -V <= padding_idx < V:
+            raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
+        padding_idx = int(padding_idx) % V
+    return _embed(ids, table, padding_idx, B.impl(implementation, op))

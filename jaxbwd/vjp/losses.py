@@ -1,0 +1,172 @@
+"""cross_entropy: softmax cross-entropy over integer labels, with the lse as its only new residual.
+
+Forward: the Pallas ``cross_entropy_fwd`` kernel (one pass over vocab tiles, online
+logsumexp) or the same math in XLA; it yields per-row f32 ``lse`` and loss. Saved for the
+backward: logits (already live in the caller), labels and ``lse`` [rows] float32, never
+a [rows, V] softmax. Backward: the Pallas ``cross_entropy_bwd`` kernel or the same
+formula in XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbwd.pallas import losses as kernels
+from jaxbwd.vjp import _base as B
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _valid_labels(labels, V, ignore_index):
+    """labels -> int32 labels with -1 for ignored and out-of-range rows (the documented policy)."""
+    lab = labels.astype(jnp.int32)
+    ok = (lab >= 0) & (lab < V) & (labels != ignore_index)
+    return jnp.where(ok, lab, -1)
+
+
+def _xla_rows(x2, lab, eps, z):
+    xf = x2.astype(B.acc_dtype(x2))
+    m = jnp.max(xf, axis=-1)
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    lse = shift + jnp.log(jnp.sum(jnp.exp(xf - shift[:, None]), axis=-1))
+    valid = lab >= 0
+    xl = jnp.take_along_axis(xf, jnp.maximum(lab, 0)[:, None], axis=-1)[:, 0]
+    loss = lse - (1.0 - eps) * xl
+    if eps:
+        loss = loss - (eps / x2.shape[-1]) * jnp.sum(xf, axis=-1)
+    if z:
+        loss = loss + z * lse * lse
+    return lse, jnp.where(valid, loss, 0.0)
+
+
+def _rows_fwd(impl, x2, lab, eps, z):
+    if impl.pallas:
+        return kernels.cross_entropy_fwd(x2, lab, label_smoothing=eps, z_loss=z, interpret=impl.interpret)
+    return _xla_rows(x2, lab, eps, z)
+
+
+def _reduce(loss, lab, lead, reduction, dtype):
+    if reduction == "none":
+        return loss.reshape(lead).astype(dtype)
+    total = jnp.sum(loss)
+    if reduction == "mean":
+        total = total / jnp.maximum(jnp.sum(lab >= 0), 1).astype(total.dtype)
+    return total.astype(dtype)
+
+
+def _row_cotangent(ct, lab, reduction, acc):
+    valid = lab >= 0
+    if reduction == "none":
+        g = ct.reshape(-1).astype(acc)
+    else:
+        g = jnp.broadcast_to(ct.astype(acc), lab.shape)
+        if reduction == "mean":
+            g = g / jnp.maximum(jnp.sum(valid), 1).astype(acc)
+    return jnp.where(valid, g, 0.0)
+
+
+def _xla_bwd(x2, lab, lse, g, eps, z):
+    xf = x2.astype(B.acc_dtype(x2))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(xf.dtype)
+    p = jnp.exp(xf - lse[:, None])
+    if z:
+        p = p * (1.0 + 2.0 * z * lse)[:, None]
+    onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
+    d = p - jnp.where(onehot, 1.0 - eps, 0.0)
+    if eps:
+        d = d - eps / x2.shape[-1]
+    d = jnp.where(g[:, None] != 0, g[:, None] * d, 0.0)
+    return d.astype(x2.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl):
+    x2, lead = B.rows(logits)
+    lab = _valid_labels(labels.reshape(-1), x2.shape[-1], ignore_index)
+    _, loss = _rows_fwd(impl, x2, lab, eps, z)
+    return _reduce(loss, lab, lead, reduction, logits.dtype)
+
+
+def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl):
+    x2, lead = B.rows(logits)
+    lab = _valid_labels(labels.reshape(-1), x2.shape[-1], ignore_index)
+    lse, loss = _rows_fwd(impl, x2, lab, eps, z)
+    return _reduce(loss, lab, lead, reduction, logits.dtype), (logits, lab, lse)
+
+
+def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, res, ct):
+    logits, lab, lse = res
+    x2, _ = B.rows(logits)
+    g = _row_cotangent(ct, lab, reduction, lse.dtype)
+    if impl.pallas:
+        dx = kernels.cross_entropy_bwd(x2, lab, lse, g, label_smoothing=eps, z_loss=z, interpret=impl.interpret)
+    else:
+        dx = _xla_bwd(x2, lab, lse, g, eps, z)
+    return dx.reshape(logits.shape), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean", implementation=None):
+    """Softmax cross-entropy of ``logits`` against integer ``labels``, with label smoothing and z-loss.
+
+    Per row, with ``lse = logsumexp(logits)``, ``eps = label_smoothing`` and ``V`` classes:
+
+        loss = lse - (1 - eps) * logits[label] - eps / V * sum(logits) + z_loss * lse**2
+
+    which is ``optax.softmax_cross_entropy(logits, optax.smooth_labels(one_hot(label), eps))``
+    (smoothing as Szegedy et al. 2016: ``(1 - eps) * onehot + eps / V``) plus the PaLM
+    auxiliary z-loss ``z_loss * log(Z)**2`` (Chowdhury et al. 2022, as in t5x). With
+    ``eps = z_loss = 0`` it equals ``optax.softmax_cross_entropy_with_integer_labels``.
+
+    Args:
+      logits: [..., V] float32, bfloat16 or float16 (math in float32). Entries may be
+        -inf (masked vocabulary): the loss is finite as long as the label's logit is finite
+        and ``label_smoothing == 0`` (smoothing puts mass on every class, so a -inf logit
+        makes the smoothed loss +inf, as in optax).
+      labels: [...] integer, the same leading shape. Rows whose label equals
+        ``ignore_index`` are ignored (loss 0, gradient 0). Out-of-range labels (< 0 or
+        >= V) are treated as ignored too: no out-of-bounds read, no NaN.
+      ignore_index: Python int.
+      label_smoothing: static float in [0, 1].
+      z_loss: static float >= 0.
+      reduction: ``"mean"`` (over non-ignored rows; 0 when every row is ignored),
+        ``"sum"`` or ``"none"`` (per-row losses of shape [...]).
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      A scalar (mean, sum) or [...] (none) in logits' dtype.
+
+    Residuals: logits, labels (int32) and the per-row logsumexp [rows] float32: O(rows)
+    beyond the logits; no [rows, V] softmax is saved.
+
+    Raises:
+      TypeError: logits not floating, labels not integer, a traced static parameter.
+      ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
+        outside [0, 1], z_loss < 0, unknown reduction or implementation.
+
+    Source: the backward is ``dlogits = g * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)``,
+    the softmax recomputed from the saved lse.
+    """
+    op = "cross_entropy"
+    B.check_float(op, "logits", logits)
+    B.check_ndim(op, "logits", logits, min_ndim=1, what="([..., V])")
+    B.check_int(op, "labels", labels)
+    B.check_shape(op, "labels", labels, logits.shape[:-1], what="(logits.shape[:-1])")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"jaxbwd.{op}: logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
+    if isinstance(ignore_index, jax.core.Tracer) or not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
+        raise TypeError(f"jaxbwd.{op}: ignore_index must be a static Python int, got {ignore_index!r}")
+    eps = B.check_static_number(op, "label_smoothing", label_smoothing)
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    z = B.check_static_number(op, "z_loss", z_loss)
+    if not z >= 0.0:
+        raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
+    return _cross_entropy(logits, labels, int(ignore_index), eps, z, reduction, B.impl(implementation, op))

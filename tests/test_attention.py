@@ -1,0 +1,236 @@
+"""dot_product_attention beyond the registry contract: masks, GQA, tails, transforms,
+lowering at realistic shapes, residual size, bad inputs.
+
+Kernels run in interpret mode (tests/conftest.py); ``block_sizes(8, 8)`` makes the small
+shapes span several blocks with ragged tails.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbwd import config, reference as ref
+from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import attention as PA
+from jaxbwd.vjp.attention import dot_product_attention
+
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq")
+
+
+def _inputs(B, T, S, N, K, H, dtype="float32", seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    mk = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype)
+    return mk(ks[0], (B, T, N, H)), mk(ks[1], (B, S, K, H)), mk(ks[2], (B, S, K, H)), mk(ks[3], (B, T, N, H))
+
+
+def _close(actual, expected, tol):
+    scale = max(1.0, max(float(jnp.max(jnp.abs(e))) for e in jax.tree_util.tree_leaves(expected)))
+    chex.assert_trees_all_close(
+        jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), actual), expected, atol=tol * scale, rtol=tol
+    )
+
+
+def _check(impl, B, T, S, N, K, H, dtype="float32", blocks=(8, 8), **kw):
+    q, k, v, ct = _inputs(B, T, S, N, K, H, dtype)
+    f = lambda q, k, v: dot_product_attention(q, k, v, implementation=impl, **kw)
+
+    def fwd_bwd(q, k, v, ct):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(ct)
+
+    with PA.block_sizes(*blocks):
+        out, grads = jax.jit(fwd_bwd)(q, k, v, ct)
+        if impl == "pallas":
+            jaxpr = str(jax.make_jaxpr(fwd_bwd)(q, k, v, ct))
+            for name in KERNELS:
+                assert f"name={name}" in jaxpr
+    f32 = lambda x: x.astype(jnp.float32)
+
+    @jax.jit
+    def truth(q, k, v, ct):
+        want, vjp_ref = jax.vjp(lambda q, k, v: ref.dot_product_attention(q, k, v, **kw), q, k, v)
+        return want, vjp_ref(ct)
+
+    want, want_grads = truth(f32(q), f32(k), f32(v), f32(ct))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for g, x in zip(grads, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        assert bool(jnp.all(jnp.isfinite(f32(g))))
+    _close(out, want, TOL[dtype])
+    _close(grads, want_grads, TOL[dtype])
+    return out, grads
+
+
+SEG3 = jnp.array([[0] * 5 + [1] * 4 + [2] * 3, [0] * 2 + [1] * 8 + [2] * 2], jnp.int32)
+
+CASES = {
+    "causal": dict(B=1, T=12, S=12, N=4, K=2, H=16, is_causal=True),
+    "gqa8:1-causal": dict(B=1, T=12, S=12, N=8, K=1, H=16, is_causal=True),
+    "mha-H20-pad": dict(B=2, T=12, S=12, N=2, K=2, H=20, is_causal=True),
+    "T8-S24": dict(B=1, T=8, S=24, N=4, K=2, H=16),
+    "T13-S29": dict(B=2, T=13, S=29, N=4, K=2, H=32),
+    "T13-S29-causal": dict(B=1, T=13, S=29, N=4, K=2, H=16, is_causal=True),
+    "segments3-causal": dict(B=2, T=12, S=12, N=4, K=2, H=16, is_causal=True, segment_ids=SEG3),
+    "segments-unsorted": dict(B=1, T=12, S=12, N=4, K=2, H=16,
+                              segment_ids=jnp.array([[2, 0, 0, 1, 1, 2, 0, 0, 2, 2, 1, 0]], jnp.int32)),
+    "window4-causal": dict(B=1, T=12, S=12, N=4, K=2, H=16, is_causal=True, sliding_window=4),
+    "window4": dict(B=1, T=12, S=12, N=4, K=2, H=16, sliding_window=4),
+    "softcap30": dict(B=1, T=12, S=12, N=4, K=2, H=16, is_causal=True, logit_softcap=30.0),
+    "softcap2-all": dict(B=2, T=12, S=12, N=4, K=2, H=16, is_causal=True, logit_softcap=2.0,
+                         sliding_window=5, segment_ids=SEG3),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_grads_match_reference(case, impl):
+    _check(impl, **CASES[case])
+
+
+def test_segment_block_bounds_skip_other_documents():
+    seg = jnp.array([[0] * 8 + [1] * 8 + [2] * 4], jnp.int32)  # 20 tokens, blocks of 8
+    bounds = PA.segment_block_bounds(seg, seg, 8, 8)
+    np.testing.assert_array_equal(np.asarray(bounds), [[0, 1], [1, 2], [2, 3]])
+    # ids 0..1 in the query block reach key blocks 0..2 when a key of id 1 sits in block 2.
+    kseg = jnp.array([[0] * 8 + [2] * 8 + [1] * 4], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(PA.segment_block_bounds(seg, kseg, 8, 8))[:2], [[0, 1], [2, 3]])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_default_blocks_single_tile(impl):
+    # The default (non-overridden) blocks: one ragged tile per program.
+    q, k, v, ct = _inputs(1, 13, 29, 4, 2, 16)
+    f = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    out, vjp = jax.vjp(f, q, k, v)
+    want, vjp_ref = jax.vjp(lambda q, k, v: ref.dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    _close(out, want, 1e-5)
+    _close(vjp(ct), vjp_ref(ct), 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("case", ["T13-S29-causal", "softcap2-all"])
+def test_bf16(case, impl):
+    _check(impl, dtype="bfloat16", **CASES[case])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fully_masked_rows_give_zero_output_and_grads(impl):
+    # Query segment 7 exists in no key: rows 8..11 see nothing; rows 4, 5 (segment 1) see
+    # no key either under causality (segment-1 keys start at 6).
+    qseg = jnp.array([[0] * 4 + [1] * 4 + [7] * 4], jnp.int32)
+    kseg = jnp.array([[0] * 6 + [1] * 10], jnp.int32)
+    out, (dq, dk, dv) = _check(impl, B=1, T=12, S=16, N=4, K=2, H=16, segment_ids=(qseg, kseg), is_causal=True)
+    for rows in (slice(4, 6), slice(8, 12)):
+        np.testing.assert_array_equal(np.asarray(out[:, rows]), 0.0)
+        np.testing.assert_array_equal(np.asarray(dq[:, rows]), 0.0)
+    # Keys 8..15 (segment 1, after every segment-1 query under causality) get no gradient.
+    np.testing.assert_array_equal(np.asarray(dk[:, 8:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(dv[:, 8:]), 0.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_vmap_and_grads_of_vmap(impl):
+    kw = dict(is_causal=True, segment_ids=SEG3[:1], sliding_window=6)
+    q, k, v, _ = _inputs(3, 12, 12, 4, 2, 16)
+    q, k, v = q[:, None], k[:, None], v[:, None]  # [3, 1, T, N, H]: vmapped extra axis
+    f = lambda q, k, v: dot_product_attention(q, k, v, implementation=impl, **kw)
+    r = lambda q, k, v: ref.dot_product_attention(q, k, v, **kw)
+    sq = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v) ** 2))
+    total = lambda fn: (lambda q, k, v: jnp.sum(jax.vmap(fn)(q, k, v)))
+
+    def everything(fn):
+        return (
+            jax.vmap(fn)(q, k, v),
+            jax.vmap(jax.grad(sq(fn), argnums=(0, 1, 2)))(q, k, v),  # vmap of grad
+            # grad of vmap with a loss whose cotangent is unbatched (sum -> broadcast ones).
+            jax.grad(total(fn), argnums=(0, 1, 2))(q, k, v),
+        )
+
+    with PA.block_sizes(8, 8):
+        got = jax.jit(lambda: everything(f))()
+    want = jax.jit(lambda: everything(r))()
+    _close(got, want, 1e-5)
+
+
+def test_vmap_over_segment_ids():
+    q, k, v, _ = _inputs(2, 12, 12, 4, 2, 16)
+    seg = SEG3[:, None]  # [2, 1, 12]: one segment layout per vmapped example
+    f = lambda q, k, v, s: dot_product_attention(q, k, v, segment_ids=s, implementation="pallas")
+    out = jax.vmap(f)(q[:, None], k[:, None], v[:, None], seg)[:, 0]
+    _close(out, ref.dot_product_attention(q, k, v, segment_ids=SEG3), 1e-5)
+
+
+def _lower(B, T, N, K, H, dtype, **kw):
+    sd = lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw), q, k, v)
+        return vjp(jnp.ones_like(out))
+
+    with config.use(interpret=False):
+        text = C.lower_for_gpu(fwd_bwd, sd((B, T, N, H)), sd((B, T, K, H)), sd((B, T, K, H)))
+    return C.triton_kernel_names(text)
+
+
+@pytest.mark.parametrize(
+    "B,T,N,K,H,dtype,kw",
+    [
+        (1, 8192, 32, 8, 128, "bfloat16", dict(is_causal=True)),
+        (1, 4096, 32, 8, 80, "bfloat16", dict(is_causal=True)),
+        (2, 1000, 8, 8, 256, "float16", dict(sliding_window=128, logit_softcap=30.0)),
+        (1, 777, 4, 1, 32, "float32", dict(is_causal=True, segment_ids=jnp.zeros((1, 777), jnp.int32))),
+    ],
+)
+def test_lowers_for_cuda(B, T, N, K, H, dtype, kw):
+    names = _lower(B, T, N, K, H, dtype, **kw)
+    assert sorted(names) == sorted(KERNELS), names
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_residuals_are_linear_in_T(impl):
+    B, T, N, K, H = 1, 2048, 2, 1, 16
+    sd = lambda s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt)
+    f = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    # Shapes only: the residuals are the leaves of the vjp closure.
+    res = jax.eval_shape(lambda q, k, v: jax.vjp(f, q, k, v)[1], sd((B, T, N, H)), sd((B, T, K, H)), sd((B, T, K, H)))
+    leaves = [x for x in jax.tree_util.tree_leaves(res) if hasattr(x, "shape")]
+    assert all(np.prod(x.shape) < T * T for x in leaves), [x.shape for x in leaves]
+    saved = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+    inputs_and_out = 4 * (2 * B * T * N * H + 2 * B * T * K * H)
+    assert saved <= inputs_and_out + 4 * B * N * T, (saved, [x.shape for x in leaves])
+
+
+BAD = [
+    ("head dim", lambda: (jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {},
+     ValueError, r"k must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
+    ("N % K", lambda: (jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16))), {},
+     ValueError, r"N % K == 0.*got N=4, K=3"),
+    ("segment shape", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
+     {"segment_ids": jnp.zeros((1, 7), jnp.int32)}, ValueError, r"segment_ids must have shape \(1, 8\).*got \(1, 7\)"),
+    ("segment T != S", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 9, 2, 16)),) * 2,
+     {"segment_ids": jnp.zeros((1, 8), jnp.int32)}, ValueError, r"segment_ids must be a pair"),
+    ("segment dtype", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
+     {"segment_ids": jnp.zeros((1, 8))}, TypeError, r"segment_ids must have an integer dtype.*got float32"),
+    ("window 0", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
+     {"sliding_window": 0}, ValueError, r"sliding_window must be a positive int, got 0"),
+    ("window -3", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
+     {"sliding_window": -3}, ValueError, r"sliding_window must be a positive int, got -3"),
+    ("softcap 0", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
+     {"logit_softcap": 0.0}, ValueError, r"logit_softcap must be a positive number, got 0.0"),
+    ("rank", lambda: (jnp.ones((8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, ValueError, r"q must have rank 4"),
+    ("int q", lambda: (jnp.ones((1, 8, 4, 16), jnp.int32),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, TypeError,
+     r"q must have a floating dtype"),
+    ("mixed dtypes", lambda: (jnp.ones((1, 8, 4, 16), jnp.bfloat16),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, TypeError,
+     r"q, k, v must share one dtype"),
+]
+
+
+@pytest.mark.parametrize("name,make,kw,error,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs(name, make, kw, error, match):
+    with pytest.raises(error, match=match) as info:
+        dot_product_attention(*make(), **kw)
+    assert "dot_product_attention" in str(info.value)

@@ -1,0 +1,313 @@
+"""Op-specific tests of embed, rope and cross_entropy (the registry contract covers the rest)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxbwd import config
+from jaxbwd import reference as ref
+from jaxbwd.pallas import _common as pallas_common
+from jaxbwd.vjp.embedding import embed
+from jaxbwd.vjp.losses import cross_entropy
+from jaxbwd.vjp.rope import rope
+
+IMPLS = ("xla", "pallas")
+KEY = jax.random.PRNGKey(0)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def _vjp(f, x, ct):
+    """(f(x), vjp(ct)) traced and compiled as one program (eager op-by-op dispatch is slow)."""
+
+    def run(x, ct):
+        out, vjp = jax.vjp(f, x)
+        return out, vjp(ct)[0]
+
+    return jax.jit(run)(x, ct)
+
+
+def _lowered_kernels(fn, *args):
+    with config.use(interpret=False):
+        return pallas_common.triton_kernel_names(pallas_common.lower_for_gpu(fn, *args))
+
+
+# ----------------------------------------------------------------------------- embed
+@pytest.mark.parametrize("impl", IMPLS)
+def test_embed_all_ids_equal_sum_exactly(impl):
+    ids = jnp.full((769,), 3, jnp.int32)
+    table = _normal(1, (11, 40))
+    out, g = _vjp(lambda t: embed(ids, t, implementation=impl), table, jnp.ones((769, 40)))
+    np.testing.assert_array_equal(out, jnp.broadcast_to(table[3], (769, 40)))
+    want = jnp.zeros((11, 40)).at[3].set(769.0)
+    np.testing.assert_array_equal(g, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_embed_random_duplicates_and_out_of_range(impl):
+    V, D = 13, 24
+    ids = jax.random.randint(KEY, (256, 3, 7), -2, V + 2)  # many duplicates, some out of range
+    table = _normal(1, (V, D))
+    ct = _normal(2, (256, 3, 7, D))
+    out, g = _vjp(lambda t: embed(ids, t, implementation=impl), table, ct)
+    out_r, g_r = _vjp(lambda t: ref.embed(ids, t), table, ct)
+    np.testing.assert_array_equal(out, out_r)
+    oob = (ids < 0) | (ids >= V)
+    assert bool(jnp.all(jnp.where(oob[..., None], out == 0, True)))
+    # float64 numpy truth of the scatter-add, out-of-range ids dropped
+    want = np.zeros((V + 1, D))
+    np.add.at(want, np.where(np.asarray(oob), V, np.asarray(ids)).reshape(-1), np.asarray(ct, np.float64).reshape(-1, D))
+    np.testing.assert_allclose(g, want[:V], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_embed_padding_idx(impl):
+    V, D = 9, 33
+    ids = jnp.array([[0, 4, 4, 8], [0, 0, 2, -1]])
+    table = _normal(3, (V, D))
+    ct = _normal(4, (2, 4, D))
+    for pad in (0, -1):
+        out, g = _vjp(lambda t: embed(ids, t, padding_idx=pad, implementation=impl), table, ct)
+        _, g_r = _vjp(lambda t: ref.embed(ids, t, padding_idx=pad), table, ct)
+        np.testing.assert_array_equal(out[0, 0], table[0])  # the padding row is returned as stored
+        np.testing.assert_array_equal(g[pad % V], 0.0)
+        np.testing.assert_allclose(g, g_r, rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(g[4] - ct[0, 1] - ct[0, 2]).max()) < 1e-6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_embed_vmap_over_ids_with_shared_table(impl):
+    V, D = 10, 16
+    ids = jax.random.randint(KEY, (3, 5, 4), 0, V)
+    table = _normal(5, (V, D))
+
+    def loss(t, i):
+        return jnp.sum(embed(i, t, implementation=impl) ** 2)
+
+    per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(table, ids)
+    grad = jax.jit(jax.grad(loss))
+    looped = jnp.stack([grad(table, ids[b]) for b in range(3)])
+    np.testing.assert_allclose(per_example, looped, rtol=1e-6, atol=1e-6)
+    summed = jax.jit(jax.grad(lambda t: jnp.sum(jax.vmap(lambda i: embed(i, t, implementation=impl))(ids) ** 2)))(table)
+    np.testing.assert_allclose(summed, looped.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_embed_lowers_for_cuda():
+    def bwd(ids, t):
+        out, vjp = jax.vjp(lambda t: embed(ids, t, padding_idx=0, implementation="pallas"), t)
+        return vjp(jnp.ones_like(out))
+
+    names = _lowered_kernels(bwd, jax.ShapeDtypeStruct((8, 1024), jnp.int32), jax.ShapeDtypeStruct((32000, 4096), jnp.bfloat16))
+    assert "embed_bwd" in names
+
+
+# ------------------------------------------------------------------------------ rope
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("interleaved", (False, True))
+def test_rope_per_batch_positions(impl, interleaved):
+    x = _normal(6, (2, 5, 3, 8))
+    pos = jnp.array([[0, 1, 2, 3, 4], [7, 8, 0, 1, 2]])  # packed second row
+    ct = _normal(7, x.shape)
+    out, g = _vjp(lambda v: rope(v, positions=pos, interleaved=interleaved, implementation=impl), x, ct)
+    out_r, g_r = _vjp(lambda v: ref.rope(v, positions=pos, interleaved=interleaved), x, ct)
+    np.testing.assert_allclose(out, out_r, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-5)
+    # each row uses its own positions: row 1 at positions 7, 8 equals a lone sequence at 7, 8
+    lone = ref.rope(x[1:, :2], start_pos=7, interleaved=interleaved)
+    np.testing.assert_allclose(out[1:, :2], lone, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rope_traced_start_pos_under_jit(impl):
+    x = _normal(8, (1, 4, 2, 16))
+    ct = _normal(9, x.shape)
+
+    @jax.jit
+    def f(x, start):
+        return _vjp(lambda v: rope(v, start_pos=start, implementation=impl), x, ct)
+
+    for start in (0, 5, 37):
+        out, g = f(x, jnp.int32(start))
+        out_r, g_r = _vjp(lambda v: ref.rope(v, positions=start + jnp.arange(4)), x, ct)
+        np.testing.assert_allclose(out, out_r, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("interleaved", (False, True))
+def test_rope_conventions_and_gqa_k(impl, interleaved):
+    """q (8 heads) and GQA k (2 heads): scores depend only on relative position; grads = reference's."""
+    H = 16
+    q = _normal(10, (1, 6, 8, H))
+    k = _normal(11, (1, 6, 2, H))
+
+    @jax.jit
+    def scores(q, k, start):
+        qr = rope(q, start_pos=start, interleaved=interleaved, implementation=impl)
+        kr = rope(k, start_pos=start, interleaved=interleaved, implementation=impl)
+        return jnp.einsum("btnh,bsnh->bnts", qr[:, :, ::4], kr)
+
+    s1, s2 = scores(q, k, jnp.int32(0)), scores(q, k, jnp.int32(11))
+    np.testing.assert_allclose(s1, s2, rtol=1e-4, atol=1e-4)
+    # the convention is what it says: half-split pairs (i, i + H/2), interleaved pairs (2i, 2i + 1)
+    e = jnp.zeros((1, 2, 1, H)).at[0, 1, 0, 0].set(1.0)
+    y = rope(e, interleaved=interleaved, implementation=impl)[0, 1, 0]
+    partner = 1 if interleaved else H // 2
+    np.testing.assert_allclose([y[0], y[partner]], [np.cos(1.0), np.sin(1.0)], rtol=1e-6)
+    ct = _normal(12, k.shape)
+    _, g = _vjp(lambda v: rope(v, interleaved=interleaved, implementation=impl), k, ct)
+    _, g_r = _vjp(lambda v: ref.rope(v, interleaved=interleaved), k, ct)
+    np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_lowers_for_cuda():
+    def bwd(x, pos):
+        out, vjp = jax.vjp(lambda v: rope(v, positions=pos, implementation="pallas"), x)
+        return vjp(jnp.ones_like(out))
+
+    names = _lowered_kernels(bwd, jax.ShapeDtypeStruct((2, 8192, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 8192), jnp.int32))
+    assert "rope_bwd" in names
+
+
+# --------------------------------------------------------------------- cross_entropy
+def _ce_inputs(shape=(4, 6), V=37, dtype=jnp.float32, seed=0):
+    logits = 2.0 * _normal(seed, shape + (V,), dtype)
+    labels = jax.random.randint(jax.random.PRNGKey(seed + 1), shape, 0, V)
+    return logits, labels
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_matches_optax(impl):
+    logits, labels = _ce_inputs()
+    ct = jnp.float32(1.3)
+    for kw, optax_fn in (
+        ({}, lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels).mean()),
+        ({"reduction": "sum"}, lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels).sum()),
+        (
+            {"label_smoothing": 0.1, "reduction": "sum"},
+            lambda x: optax.softmax_cross_entropy(x, optax.smooth_labels(jax.nn.one_hot(labels, 37), 0.1)).sum(),
+        ),
+    ):
+        out, g = _vjp(lambda x: cross_entropy(x, labels, implementation=impl, **kw), logits, ct)
+        out_o, g_o = _vjp(optax_fn, logits, ct)
+        np.testing.assert_allclose(out, out_o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, g_o, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_smoothing_and_z_loss(impl):
+    logits, labels = _ce_inputs(shape=(3, 5), V=50)
+    labels = labels.at[0, 0].set(-100).at[1, 1].set(7)
+    eps, z = 0.1, 1e-2
+    ct = jnp.float32(0.7)
+    out, g = _vjp(lambda x: cross_entropy(x, labels, label_smoothing=eps, z_loss=z, implementation=impl), logits, ct)
+
+    def explicit(x):  # written out from the definitions, independent of reference.py
+        logp = jax.nn.log_softmax(x)
+        q = optax.smooth_labels(jax.nn.one_hot(labels, 50), eps)
+        lse = jax.nn.logsumexp(x, axis=-1)
+        per = -jnp.sum(q * logp, axis=-1) + z * lse**2
+        valid = labels != -100
+        return jnp.sum(jnp.where(valid, per, 0.0)) / jnp.sum(valid)
+
+    out_e, g_e = _vjp(explicit, logits, ct)
+    out_r, g_r = _vjp(lambda x: ref.cross_entropy(x, labels, label_smoothing=eps, z_loss=z), logits, ct)
+    np.testing.assert_allclose(out, out_e, rtol=1e-5)
+    np.testing.assert_allclose(out_r, out_e, rtol=1e-5)
+    np.testing.assert_allclose(g, g_e, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_reduction_none_uses_row_cotangents(impl):
+    logits, labels = _ce_inputs(shape=(2, 7), V=33)
+    labels = labels.at[1, 3].set(-100).at[0, 2].set(33)  # ignored and out-of-range rows
+    ct = jnp.arange(14, dtype=jnp.float32).reshape(2, 7) - 5.0  # non-uniform, some negative
+    out, g = _vjp(lambda x: cross_entropy(x, labels, reduction="none", z_loss=1e-3, implementation=impl), logits, ct)
+    out_r, g_r = _vjp(lambda x: ref.cross_entropy(x, labels, reduction="none", z_loss=1e-3), logits, ct)
+    assert out.shape == (2, 7)
+    assert float(out[1, 3]) == 0.0 and float(out[0, 2]) == 0.0
+    np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, g_r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(g[1, 3], 0.0)
+    np.testing.assert_array_equal(g[0, 2], 0.0)
+    # row r's gradient is ct[r] times the gradient of its own loss
+    unit = _vjp(lambda x: cross_entropy(x, labels, reduction="none", z_loss=1e-3, implementation=impl), logits, jnp.ones_like(ct))[1]
+    np.testing.assert_allclose(g, unit * ct[..., None], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_bf16_error_no_worse_than_autodiff(impl):
+    logits32, labels = _ce_inputs(shape=(16,), V=300, seed=3)
+    logits = logits32.astype(jnp.bfloat16)
+    truth_in = logits.astype(jnp.float32)  # the same (rounded) values, computed in f32
+    _, g_true = _vjp(lambda x: ref.cross_entropy(x, labels, z_loss=1e-3), truth_in, jnp.float32(1.0))
+    _, g_ad = _vjp(lambda x: ref.cross_entropy(x, labels, z_loss=1e-3), logits, jnp.bfloat16(1.0))
+    out, g = _vjp(lambda x: cross_entropy(x, labels, z_loss=1e-3, implementation=impl), logits, jnp.bfloat16(1.0))
+    assert g.dtype == jnp.bfloat16 and out.dtype == jnp.bfloat16
+    err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - g_true)))
+    err_ad = float(jnp.max(jnp.abs(g_ad.astype(jnp.float32) - g_true)))
+    assert err <= err_ad * 1.01 + 1e-6, (err, err_ad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+def test_cross_entropy_all_ignored(impl, reduction):
+    logits, _ = _ce_inputs(shape=(5,), V=20)
+    labels = jnp.full((5,), -100)
+    ct = jnp.ones(()) if reduction != "none" else jnp.ones((5,))
+    out, g = _vjp(lambda x: cross_entropy(x, labels, reduction=reduction, label_smoothing=0.1, z_loss=1e-3, implementation=impl), logits, ct)
+    np.testing.assert_array_equal(out, jnp.zeros_like(out))
+    np.testing.assert_array_equal(g, jnp.zeros_like(g))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_neg_inf_logits(impl):
+    logits, labels = _ce_inputs(shape=(6,), V=40)
+    labels = labels.at[5].set(-100)
+    masked = logits.at[:, 20:].set(-jnp.inf)  # masked vocabulary
+    masked = masked.at[5].set(-jnp.inf)  # an ignored row that is entirely -inf
+    labels = labels % 20
+    labels = labels.at[5].set(-100)
+    out, g = _vjp(lambda x: cross_entropy(x, labels, z_loss=1e-3, implementation=impl), masked, jnp.float32(1.0))
+    out_r, g_r = _vjp(lambda x: ref.cross_entropy(x[:5, :20], labels[:5], z_loss=1e-3), logits, jnp.float32(1.0))
+    assert bool(jnp.isfinite(out)) and bool(jnp.all(jnp.isfinite(g)))
+    np.testing.assert_allclose(out, out_r, rtol=1e-5)
+    np.testing.assert_allclose(g[:5, :20], g_r[:5, :20], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(g[:, 20:], 0.0)
+    np.testing.assert_array_equal(g[5], 0.0)
+
+
+def test_cross_entropy_pallas_uses_both_kernels():
+    logits, labels = _ce_inputs()
+    with config.use(interpret=True):
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: cross_entropy(x, labels, implementation="pallas")))(logits))
+    assert "name=cross_entropy_fwd" in jaxpr and "name=cross_entropy_bwd" in jaxpr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_residuals_are_o_rows(impl):
+    logits, labels = _ce_inputs(shape=(8,), V=500)
+    _, vjp = jax.vjp(lambda x: cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3, implementation=impl), logits)
+    leaves = [x for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype")]
+    saved = sum(x.size * x.dtype.itemsize for x in leaves)
+    rows = 8
+    assert saved <= logits.nbytes + 8 * rows, saved  # logits + int32 labels + f32 lse
+    _, vjp_ad = jax.vjp(lambda x: ref.cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3), logits)
+    saved_ad = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_ad) if hasattr(x, "dtype"))
+    assert saved < saved_ad
+
+
+def test_cross_entropy_lowers_for_cuda_at_llama3_vocab():
+    def bwd(x, labels):
+        out, vjp = jax.vjp(lambda v: cross_entropy(v, labels, label_smoothing=0.1, z_loss=1e-4, implementation="pallas"), x)
+        return vjp(jnp.ones_like(out))
+
+    names = _lowered_kernels(bwd, jax.ShapeDtypeStruct((8192, 128256), jnp.bfloat16), jax.ShapeDtypeStruct((8192,), jnp.int32))
+    assert "cross_entropy_fwd" in names and "cross_entropy_bwd" in names
