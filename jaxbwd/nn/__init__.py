@@ -1,0 +1,14 @@
+"""Flax modules over jaxbwd's ops (``jaxbwd.nn`` is linen; parameter names match flax's own).
+
+Requires the ``flax`` extra: ``pip install "jaxbwd[flax]"``.
+"""
+from jaxbwd.nn.linen import (
+    Attention,
+    Dense,
+    Embed,
+    LayerNorm,
+    RMSNorm,
+    SwiGLUMLP,
+)
+
+__all__ = ["Attention", "Dense", "Embed", "LayerNorm", "RMSNorm", "SwiGLUMLP"]

@@ -1,0 +1,42 @@
+"""Smoke tests of the training examples: a few steps of a tiny config; the loss must go down."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path):
+    out = subprocess.run([sys.executable, *args, "--out", str(tmp_path), "--no-progress"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_train_lm_tiny_loss_goes_down(tmp_path):
+    stdout = _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "40", "--max-bytes", "400000",
+                   "--name", "smoke"], tmp_path)
+    m = json.loads((tmp_path / "smoke" / "metrics.json").read_text())
+    first, last = sum(m["train_loss"][:5]) / 5, sum(m["train_loss"][-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert (tmp_path / "smoke" / "loss.png").stat().st_size > 1000
+    assert "bits/byte" in stdout and "sample:" in stdout
+
+
+def test_train_lm_check_grads_match_plain_model(tmp_path):
+    out = subprocess.run([sys.executable, "examples/train_lm.py", "--preset", "tiny", "--check", "--max-bytes", "200000"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "max relative grad difference" in out.stdout
+
+
+def test_train_lm_pallas_interpret_tiny(tmp_path):
+    _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "3", "--max-bytes", "200000",
+          "--implementation", "pallas", "--name", "pallas"], tmp_path)
+    m = json.loads((tmp_path / "pallas" / "metrics.json").read_text())
+    assert m["implementation"] == "pallas" and len(m["train_loss"]) == 3
