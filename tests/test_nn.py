@@ -60,3 +60,24 @@ def test_attention_and_mlp_modules_run_under_grad():
         ga = jax.grad(lambda p: jnp.sum(mod.clone(implementation="xla").apply(p, x) ** 2))(params)
         gb = jax.grad(lambda p: jnp.sum(mod.clone(implementation="pallas").apply(p, x) ** 2))(params)
         chex.assert_trees_all_close(ga, gb, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_nnx_modules_match_flax(impl):
+    from flax import nnx
+
+    import jaxbwd.nn.nnx as jnnx
+
+    pairs = [
+        (jnnx.RMSNorm(24, rngs=nnx.Rngs(0), implementation=impl), nnx.RMSNorm(24, rngs=nnx.Rngs(0)), X),
+        (jnnx.LayerNorm(24, rngs=nnx.Rngs(0), implementation=impl), nnx.LayerNorm(24, rngs=nnx.Rngs(0)), X),
+        (jnnx.Linear(24, 7, rngs=nnx.Rngs(0), implementation=impl), nnx.Linear(24, 7, rngs=nnx.Rngs(0)), X),
+        (jnnx.Embed(50, 12, rngs=nnx.Rngs(0), implementation=impl), nnx.Embed(50, 12, rngs=nnx.Rngs(0)),
+         jnp.array([[1, 4, 49], [0, 0, 7]])),
+    ]
+    for ours, theirs, inputs in pairs:
+        chex.assert_trees_all_close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param))
+        chex.assert_trees_all_close(ours(inputs), theirs(inputs), atol=1e-5, rtol=1e-5)
+        g1 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(inputs))))(ours)
+        g2 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(inputs))))(theirs)
+        chex.assert_trees_all_close(nnx.state(g1, nnx.Param), nnx.state(g2, nnx.Param), atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Flax modules over jaxbwd's ops (``jaxbwd.nn`` is linen; parameter names match flax's own).
+"""Flax modules over jaxbwd's ops: linen here, NNX in ``jaxbwd.nn.nnx``; parameters match flax's own.
 
 Requires the ``flax`` extra: ``pip install "jaxbwd[flax]"``.
 """
