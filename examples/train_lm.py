@@ -54,6 +54,7 @@ class Config:
     eval_every: int = 200
     eval_batches: int = 16
     seed: int = 0
+    vocab: int = 256  # bytes
 
     @property
     def head_dim(self) -> int:
@@ -67,7 +68,7 @@ PRESETS = {
                    batch_size=4, steps=30, warmup=5, eval_every=15, eval_batches=2),
 }
 
-VOCAB = 256  # bytes
+VOCAB = 256  # byte-level tokens
 
 
 # ------------------------------------------------------------------------------ data
@@ -179,7 +180,7 @@ class LM(fnn.Module):
 
     @fnn.compact
     def __call__(self, ids):
-        embed = self.ops.Embed(VOCAB, self.cfg.d_model, name="embed")
+        embed = self.ops.Embed(self.cfg.vocab, self.cfg.d_model, name="embed")
         x = embed(ids)
         for i in range(self.cfg.n_layers):
             x = Block(self.cfg, self.ops, name=f"block_{i}")(x)
