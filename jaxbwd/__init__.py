@@ -9,19 +9,22 @@ from jaxbwd import config
 from jaxbwd.vjp.activations import gelu, glu, silu, softmax, swiglu
 from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
+from jaxbwd.vjp.group_norm import group_norm
 from jaxbwd.vjp.losses import cross_entropy
 from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
 from jaxbwd.vjp.shape import reshape, row_slice
+from jaxbwd.vjp.vision import conv2d, pixel_shuffle, unpatchify, upsample2d
 
 __version__ = "0.1.0"
 
 __all__ = [
     "config",
-    "rms_norm", "layer_norm",
+    "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu",
     "dot_product_attention", "embed", "rope", "cross_entropy",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
+    "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
 ]

@@ -101,3 +101,173 @@ def reshape(x, shape):
 def row_slice(x, start, size):
     """Reference dynamic row slice (start clamped as lax.dynamic_slice)."""
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=None,
+                          sliding_window=None, logit_softcap=None):
+    """Reference attention: materialises the [B, N, T, S] logits.
+
+    q [B, T, N, H], k/v [B, S, K, H] (N % K == 0). Query i sees key j when j <= i (causal),
+    i - w < j (sliding window w; also j < i + w when not causal), and the segment ids agree.
+    logit_softcap c: logits -> c * tanh(logits / c) before masking. Rows that see no key
+    give 0.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    scale = H ** -0.5 if scale is None else scale
+    qf = _f32(q).reshape(B, T, K, G, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", qf, _f32(k)) * scale
+    if logit_softcap is not None:
+        s = logit_softcap * jnp.tanh(s / logit_softcap)
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(S)[None, :]
+    mask = jnp.ones((T, S), bool)
+    if is_causal:
+        mask = mask & (j <= i)
+    if sliding_window is not None:
+        mask = mask & (j > i - sliding_window)
+        if not is_causal:
+            mask = mask & (j < i + sliding_window)
+    mask = jnp.broadcast_to(mask, (B, T, S))
+    if segment_ids is not None:
+        qs, ks = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+        mask = mask & (qs[:, :, None] == ks[:, None, :])
+    mask = mask[:, None, None]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0, 1.0, l)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, _f32(v))
+    return o.reshape(B, T, N, H).astype(q.dtype)
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+    """Reference softmax cross-entropy with integer labels (optax's definitions).
+
+    Per row: ``lse - (1 - eps) * x[label] - eps / V * sum(x) + z_loss * lse**2``
+    (label smoothing of Szegedy et al. 2016, z-loss of PaLM, Chowdhury et al. 2022).
+    Rows with ``label == ignore_index`` or a label outside [0, V) count as ignored;
+    "mean" divides by the number of non-ignored rows (0 if there are none).
+    """
+    xf = _f32(logits)
+    V = logits.shape[-1]
+    valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
+    safe = jnp.where(valid, labels, 0).astype(jnp.int32)
+    lse = jax.nn.logsumexp(xf, axis=-1)
+    xl = jnp.take_along_axis(xf, safe[..., None], axis=-1)[..., 0]
+    loss = lse - (1.0 - label_smoothing) * xl
+    if label_smoothing:
+        loss = loss - label_smoothing / V * jnp.sum(xf, axis=-1)
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = jnp.where(valid, loss, 0.0)
+    if reduction == "none":
+        return loss.astype(logits.dtype)
+    total = jnp.sum(loss)
+    if reduction == "mean":
+        total = total / jnp.maximum(jnp.sum(valid), 1)
+    return total.astype(logits.dtype)
+
+
+def embed(ids, table, *, padding_idx=None):
+    """Reference embedding lookup ``table[ids]``; out-of-range ids give zero rows, and the
+    ``padding_idx`` row gets no gradient (its forward value is the table's row)."""
+    V = table.shape[0]
+    valid = (ids >= 0) & (ids < V)
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    if padding_idx is not None:
+        pad = ids == (padding_idx % V)
+        rows = jnp.where(pad[..., None], jax.lax.stop_gradient(rows), rows)
+    return jnp.where(valid[..., None], rows, jnp.zeros((), table.dtype))
+
+
+def rope_inv_freq(head_dim, theta, dtype=jnp.float32):
+    """``theta ** (-2i / H)`` for i in [0, H/2), computed as ``exp(-(2i / H) * log(theta))``."""
+    import math
+
+    i = jnp.arange(head_dim // 2, dtype=dtype)
+    return jnp.exp(i * (-2.0 * math.log(theta) / head_dim))
+
+
+def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False):
+    """Reference rotary position embedding (RoFormer, Su et al. 2021) of x [B, T, N, H].
+
+    Half-split (Llama/NeoX) rotates x[..., :H/2] with x[..., H/2:]; interleaved (GPT-J)
+    rotates pairs (2i, 2i+1). Angle of pair i at position p: ``p * theta**(-2i/H)``, in f32.
+    """
+    Bsz, T, N, H = x.shape
+    if positions is None:
+        positions = start_pos + jnp.arange(T)
+    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32)
+    xf = _f32(x)
+    ang = pos[:, :, None, None].astype(xf.dtype) * rope_inv_freq(H, theta, xf.dtype)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        y = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
+    else:
+        a, b = xf[..., : H // 2], xf[..., H // 2:]
+        y = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return y.astype(x.dtype)
+
+
+def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None):
+    """Reference GroupNorm (Wu & He 2018) over channels-last x [N, ..., C], optional SiLU."""
+    N, Cc = x.shape[0], x.shape[-1]
+    xg = _f32(x).reshape(N, -1, num_groups, Cc // num_groups)
+    mean = jnp.mean(xg, axis=(1, 3), keepdims=True)
+    var = jnp.mean(jnp.square(xg - mean), axis=(1, 3), keepdims=True)
+    y = ((xg - mean) * jax.lax.rsqrt(var + eps)).reshape(x.shape) * _f32(weight) + _f32(bias)
+    if activation == "silu":
+        y = y * jax.nn.sigmoid(y)
+    return y.astype(x.dtype)
+
+
+def upsample2d(x, scale, *, method="nearest"):
+    """Reference 2-D upsampling of x [N, H, W, C] by integer factors: ``jax.image.resize``
+    ("nearest" repeats pixels; "bilinear" uses half-pixel centres)."""
+    sh, sw = (scale, scale) if isinstance(scale, int) else tuple(scale)
+    N, H, W, Cc = x.shape
+    if method == "nearest":
+        return jnp.repeat(jnp.repeat(x, sh, axis=1), sw, axis=2)
+    y = jax.image.resize(_f32(x), (N, H * sh, W * sw, Cc), method="bilinear")
+    return y.astype(x.dtype)
+
+
+def pixel_shuffle(x, upscale_factor):
+    """Reference sub-pixel shuffle (Shi et al. 2016), torch.nn.PixelShuffle in NHWC:
+    ``out[n, h*r+i, w*r+j, c] = x[n, h, w, c*r*r + i*r + j]``."""
+    r = upscale_factor
+    N, H, W, Cr = x.shape
+    y = x.reshape(N, H, W, Cr // (r * r), r, r).transpose(0, 1, 4, 2, 5, 3)
+    return y.reshape(N, H * r, W * r, Cr // (r * r))
+
+
+def unpatchify(tokens, *, grid, patch_size, channels):
+    """Reference DiT/MAE unpatchify: ``out[n, gi*p+i, gj*p+j, c] = tokens[n, gi*gw+gj, (i*p+j)*C + c]``."""
+    gh, gw = (grid, grid) if isinstance(grid, int) else tuple(grid)
+    p, Cc = patch_size, channels
+    N = tokens.shape[0]
+    y = tokens.reshape(N, gh, gw, p, p, Cc).transpose(0, 1, 3, 2, 4, 5)
+    return y.reshape(N, gh * p, gw * p, Cc)
+
+
+def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
+    """Reference 2-D convolution, x NHWC and w HWIO [kh, kw, Cin/groups, Cout], by
+    ``lax.conv_general_dilated`` (f32 accumulation)."""
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)
+    if isinstance(padding, str):
+        pad = padding.upper()
+    elif isinstance(padding, int):
+        pad = ((padding, padding), (padding, padding))
+    else:
+        pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+    y = jax.lax.conv_general_dilated(
+        _f32(x), _f32(w), window_strides=pair(stride), padding=pad, rhs_dilation=pair(dilation),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return y.astype(x.dtype)

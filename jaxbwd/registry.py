@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxbwd import reference as ref
-from jaxbwd.vjp import linear, norms, shape
+from jaxbwd.vjp import activations, linear, norms, shape
+from jaxbwd.vjp import embedding, losses, rope
+from jaxbwd.vjp import attention
+from jaxbwd.vjp import group_norm as group_norm_ops, vision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,12 @@ class OpSpec:
     residual_budget: Optional[Callable[..., int]] = None
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     check_grads_order: int = 1  # order of the float64 numerical gradient check (0 = skip)
+    # Benchmark inputs by size ("small", "llm"): make(key, dtype) -> concrete (args, kwargs).
+    # Without an entry the bench uses the first test example ("small") or materialises the
+    # first lowering shape with normal floats ("llm").
+    bench: tuple[tuple[str, Example], ...] = ()
+    # FLOPs of forward + backward for compute-bound ops (attention, conv): f(*args, **kwargs).
+    flops: Optional[Callable[..., float]] = None
 
     @property
     def has_kernels(self) -> bool:
@@ -154,6 +163,76 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, w, b, **_: _nbytes(x, w) + 8 * _rows(x),
     ),
     OpSpec(
+        name="softmax", family="activations", fn=activations.softmax, reference=ref.softmax,
+        diff_argnums=(0,), static_params=("axis",), kernels=("softmax_bwd",),
+        backward="Pallas: dx = y * (dy - sum(dy * y)) per row block; saves only y",
+        examples=_unary_examples() + (
+            Example("axis0-5x7x9", lambda k, dt: ((_normal(k, (5, 7, 9), dt),), {"axis": 0})),
+        ),
+        lowering=_unary_lowering(),
+        bad_inputs=(
+            BadInput("axis", lambda: ((jnp.ones((4, 8)),), {"axis": 2}), ValueError, r"axis"),
+            BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
+        name="silu", family="activations", fn=activations.silu, reference=ref.silu,
+        diff_argnums=(0,), static_params=(), kernels=("silu_bwd",),
+        backward="Pallas: fused elementwise dx = dy * s * (1 + x * (1 - s))",
+        examples=_unary_examples(), lowering=_unary_lowering(),
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="gelu", family="activations", fn=activations.gelu, reference=ref.gelu,
+        diff_argnums=(0,), static_params=("approximate",), kernels=("gelu_bwd",),
+        backward="Pallas: fused elementwise GELU derivative (tanh form or exact via erf)",
+        examples=_unary_examples() + _unary_examples(approximate=False)[:1],
+        lowering=_unary_lowering() + _unary_lowering(approximate=False)[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="swiglu", family="activations", fn=activations.swiglu, reference=ref.swiglu,
+        diff_argnums=(0, 1), static_params=("limit",), kernels=("swiglu_bwd",),
+        backward="Pallas: fused elementwise dgate, dup (clamped lanes get 0)",
+        examples=tuple(
+            Example("x".join(map(str, s)) + (f"-limit{lim}" if lim else ""),
+                    lambda k, dt, s=s, lim=lim: ((_normal(k, s, dt), _normal(jax.random.fold_in(k, 1), s, dt)), {"limit": lim}),
+                    (0, 1))
+            for s, lim in ((ROW_SHAPES[0], None), (ROW_SHAPES[1], None), (ROW_SHAPES[2], None), (ROW_SHAPES[1], 0.7))
+        ),
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt), _sds(s, dt)), {})) for s, dt in ROW_LOWERING
+        ),
+        bad_inputs=(
+            BadInput("shapes", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 7))), {}), ValueError, r"up"),
+            BadInput("limit", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8))), {"limit": 0.0}), ValueError, r"limit"),
+            BadInput("integer gate", lambda: ((jnp.ones((4, 8), jnp.int32), jnp.ones((4, 8))), {}), TypeError, r"gate must have a floating dtype"),
+        ),
+        residual_budget=lambda g, u, **_: _nbytes(g, u),
+    ),
+    OpSpec(
+        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        diff_argnums=(0,), static_params=("activation", "limit"), kernels=("glu_bwd",),
+        backward="Pallas: one kernel reads both halves of x and dy, writes both halves of dx",
+        examples=(
+            Example("5x246-silu", lambda k, dt: ((_normal(k, (5, 246), dt),), {})),
+            Example("2x3x96-gelu", lambda k, dt: ((_normal(k, (2, 3, 96), dt),), {"activation": "gelu"})),
+            Example("1x1x2046-gelu_exact-limit", lambda k, dt: ((_normal(k, (1, 1, 2046), dt),), {"activation": "gelu_exact", "limit": 0.7})),
+        ),
+        lowering=(
+            Example("(8192, 10240)-bfloat16", lambda k, d: ((_sds((8192, 2 * 5120), "bfloat16"),), {})),
+            Example("(4096, 8192)-float32-gelu", lambda k, d: ((_sds((4096, 8192), "float32"),), {"activation": "gelu"})),
+        ),
+        bad_inputs=(
+            BadInput("odd last dim", lambda: ((jnp.ones((4, 7)),), {}), ValueError, r"even"),
+            BadInput("activation", lambda: ((jnp.ones((4, 8)),), {"activation": "relu"}), ValueError, r"activation"),
+        ),
+        residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
         name="bias_add", family="linear", fn=linear.bias_add, reference=ref.bias_add,
         diff_argnums=(0, 1), static_params=(), kernels=("bias_add_dbias",),
         backward="dx = dy (no copy); Pallas column-sum kernel for dbias (f32 partials)",
@@ -238,6 +317,239 @@ _SPECS: list[OpSpec] = [
             BadInput("float start", lambda: ((jnp.ones((4, 3)), jnp.float32(1.0), 2), {}), TypeError, r"start must have an integer dtype"),
         ),
         residual_budget=lambda x, s, n, **_: 8,
+    ),
+    OpSpec(
+        name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
+        diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction"),
+        kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
+        backward="Pallas: forward lse+loss over vocab tiles (online logsumexp); backward recomputes softmax from lse",
+        examples=(
+            Example("6x37-mean", lambda k, dt: ((2.0 * _normal(k, (6, 37), dt), jax.random.randint(jax.random.fold_in(k, 1), (6,), 0, 37).at[2].set(-100)), {})),
+            Example("2x3x50-smooth-z-sum", lambda k, dt: ((2.0 * _normal(k, (2, 3, 50), dt), jax.random.randint(jax.random.fold_in(k, 1), (2, 3), 0, 50)), {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"})),
+            Example("5x33-none-oob", lambda k, dt: ((2.0 * _normal(k, (5, 33), dt), jax.random.randint(jax.random.fold_in(k, 1), (5,), 0, 33).at[4].set(33)), {"reduction": "none", "z_loss": 1e-2})),
+        ),
+        lowering=(
+            Example("8192x128256-bf16", lambda k, d: ((_sds((8192, 128256), "bfloat16"), _sds((8192,), "int32")), {"label_smoothing": 0.1, "z_loss": 1e-4})),
+            Example("4096x50257-f32-none", lambda k, d: ((_sds((4096, 50257), "float32"), _sds((4096,), "int32")), {"reduction": "none"})),
+            Example("2x1023x32000-bf16", lambda k, d: ((_sds((2, 1023, 32000), "bfloat16"), _sds((2, 1023), "int32")), {})),
+            Example("1024x151936-bf16", lambda k, d: ((_sds((1024, 151936), "bfloat16"), _sds((1024,), "int32")), {"reduction": "sum"})),
+        ),
+        bad_inputs=(
+            BadInput("labels shape", lambda: ((jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32)), {}), ValueError, r"labels must have shape \(4,\).*got \(3,\)"),
+            BadInput("float labels", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,))), {}), TypeError, r"labels must have an integer dtype.*got float32"),
+            BadInput("integer logits", lambda: ((jnp.ones((4, 8), jnp.int32), jnp.zeros((4,), jnp.int32)), {}), TypeError, r"logits must have a floating dtype.*got int32"),
+            BadInput("rank-0 logits", lambda: ((jnp.ones(()), jnp.zeros((), jnp.int32)), {}), ValueError, r"logits must have rank >= 1.*got shape \(\)"),
+            BadInput("reduction", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)), {"reduction": "avg"}), ValueError, r"reduction must be one of 'mean', 'sum', 'none', got 'avg'"),
+            BadInput("label_smoothing", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)), {"label_smoothing": 1.5}), ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
+            BadInput("z_loss", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)), {"z_loss": -1.0}), ValueError, r"z_loss must be >= 0, got -1.0"),
+        ),
+        # logits (already live) + int32 labels + f32 lse per row: O(rows) beyond the logits.
+        residual_budget=lambda logits, labels, **_: _nbytes(logits) + 8 * _rows(logits),
+    ),
+    OpSpec(
+        name="embed", family="embedding", fn=embedding.embed, reference=ref.embed,
+        diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd",),
+        backward="Pallas: stable argsort of ids (XLA), then one program per table row sums its dy segment in f32",
+        examples=(
+            Example("5x7@13x24", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (5, 7), -1, 14), _normal(k, (13, 24), dt)), {}), (1,)),
+            Example("40@9x33-pad0", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (40,), 0, 9), _normal(k, (9, 33), dt)), {"padding_idx": 0}), (1,)),
+        ),
+        lowering=(
+            Example("8192@32000x4096-bf16", lambda k, d: ((_sds((8192,), "int32"), _sds((32000, 4096), "bfloat16")), {})),
+            Example("4x2048@50257x5120-f32", lambda k, d: ((_sds((4, 2048), "int32"), _sds((50257, 5120), "float32")), {"padding_idx": 0})),
+        ),
+        bad_inputs=(
+            BadInput("float ids", lambda: ((jnp.zeros((4,)), jnp.ones((8, 3))), {}), TypeError, r"ids must have an integer dtype.*got float32"),
+            BadInput("integer table", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 3), jnp.int32)), {}), TypeError, r"table must have a floating dtype.*got int32"),
+            BadInput("table rank", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8,))), {}), ValueError, r"table must have rank 2 \(\[V, D\]\), got shape \(8,\)"),
+            BadInput("padding_idx", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 3))), {"padding_idx": 8}), ValueError, r"padding_idx must be in \[-8, 8\).*got 8"),
+        ),
+        residual_budget=lambda ids, table, **_: _nbytes(ids),
+    ),
+    OpSpec(
+        name="rope", family="rope", fn=rope.rope, reference=ref.rope,
+        diff_argnums=(0,), static_params=("theta", "interleaved"), kernels=("rope_bwd",),
+        backward="Pallas: dy rotated by the negative angle, angles recomputed in f32 in registers",
+        examples=(
+            Example("2x5x3x8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {})),
+            Example("1x6x2x16-interleaved-pos[T]", lambda k, dt: ((_normal(k, (1, 6, 2, 16), dt),), {"positions": jnp.array([3, 4, 5, 9, 10, 11]), "interleaved": True})),
+            Example("2x4x4x6-pos[B,T]", lambda k, dt: ((_normal(k, (2, 4, 4, 6), dt),), {"positions": jnp.array([[0, 1, 2, 3], [5, 6, 0, 1]]), "theta": 500000.0})),
+        ),
+        lowering=(
+            Example("2x8192x32x128-bf16", lambda k, d: ((_sds((2, 8192, 32, 128), "bfloat16"),), {})),
+            Example("1x4097x8x64-f32-interleaved", lambda k, d: ((_sds((1, 4097, 8, 64), "float32"),), {"interleaved": True})),
+            Example("2x1023x40x80-bf16", lambda k, d: ((_sds((2, 1023, 40, 80), "bfloat16"),), {"start_pos": 17})),
+        ),
+        bad_inputs=(
+            BadInput("rank", lambda: ((jnp.ones((2, 3, 8)),), {}), ValueError, r"x must have rank 4 \(\[B, T, N, H\]\), got shape \(2, 3, 8\)"),
+            BadInput("odd H", lambda: ((jnp.ones((1, 3, 2, 7)),), {}), ValueError, r"head dimension H must be even, got shape \(1, 3, 2, 7\)"),
+            BadInput("positions shape", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((4,), jnp.int32)}), ValueError, r"positions must have shape \(3,\) or \(2, 3\).*got \(4,\)"),
+            BadInput("float positions", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((3,))}), TypeError, r"positions must have an integer dtype.*got float32"),
+            BadInput("theta", lambda: ((jnp.ones((2, 3, 1, 8)),), {"theta": 0.0}), ValueError, r"theta must be a positive number, got 0.0"),
+            BadInput("integer x", lambda: ((jnp.ones((2, 3, 1, 8), jnp.int32),), {}), TypeError, r"x must have a floating dtype.*got int32"),
+        ),
+        # int32 positions [B, T] only.
+        residual_budget=lambda x, **_: 4 * x.shape[0] * x.shape[1],
+    ),
+    OpSpec(
+        name="dot_product_attention", family="attention", fn=attention.dot_product_attention,
+        reference=ref.dot_product_attention, diff_argnums=(0, 1, 2),
+        static_params=("scale", "is_causal", "sliding_window", "logit_softcap"),
+        kernels=("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"),
+        backward="Pallas FlashAttention-2: flash fwd emits f32 lse; dk/dv kernel (GQA group summed in-kernel) + dq kernel recompute P from lse",
+        examples=tuple(
+            Example(
+                name,
+                lambda k, dt, sh=sh, kw=kw: (
+                    tuple(_normal(jax.random.fold_in(k, i), s, dt) for i, s in enumerate(sh)), dict(kw)
+                ),
+                (0, 1, 2),
+            )
+            for name, sh, kw in (
+                ("1x12x4:2x16-causal", ((1, 12, 4, 16), (1, 12, 2, 16), (1, 12, 2, 16)), {"is_causal": True}),
+                ("2x8:24x4:2x32", ((2, 8, 4, 32), (2, 24, 2, 32), (2, 24, 2, 32)), {}),
+                ("1x16x4:1x16-seg3-win4-cap30", ((1, 16, 4, 16), (1, 16, 1, 16), (1, 16, 1, 16)),
+                 {"is_causal": True, "segment_ids": jnp.array([[0] * 6 + [1] * 7 + [2] * 3], jnp.int32),
+                  "sliding_window": 4, "logit_softcap": 30.0}),
+            )
+        ),
+        lowering=(
+            Example("1x8192x32:8x128-bf16-causal", lambda k, d: ((_sds((1, 8192, 32, 128), "bfloat16"), _sds((1, 8192, 8, 128), "bfloat16"), _sds((1, 8192, 8, 128), "bfloat16")), {"is_causal": True})),
+            Example("1x4096x32:8x80-bf16-causal", lambda k, d: ((_sds((1, 4096, 32, 80), "bfloat16"), _sds((1, 4096, 8, 80), "bfloat16"), _sds((1, 4096, 8, 80), "bfloat16")), {"is_causal": True})),
+            Example("2x1000x8x64-f32-window-softcap", lambda k, d: ((_sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32")), {"sliding_window": 256, "logit_softcap": 50.0})),
+        ),
+        bad_inputs=(
+            BadInput("head dim", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {}), ValueError, r"k must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
+            BadInput("N % K", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16))), {}), ValueError, r"N % K == 0.*got N=4, K=3"),
+            BadInput("segment_ids shape", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}), ValueError, r"segment_ids must have shape \(1, 8\).*got \(1, 7\)"),
+            BadInput("window <= 0", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"sliding_window": 0}), ValueError, r"sliding_window must be a positive int, got 0"),
+            BadInput("integer q", lambda: ((jnp.ones((1, 8, 4, 16), jnp.int32), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {}), TypeError, r"q must have a floating dtype.*got int32"),
+        ),
+        # fwd 4*B*N*T*S*H (QK^T and PV), bwd 2.5x fwd; causal halves both.
+        flops=lambda q, k, v, is_causal=False, **_: (
+            3.5 * 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3] / (2 if is_causal else 1)
+        ),
+        # q, k, v and out (out is q-sized) + f32 lse [B, N, T] + the segment ids (q and kv):
+        # O(B*N*T) beyond the arrays, no T x S array.
+        residual_budget=lambda q, k, v, segment_ids=None, **_: (
+            _nbytes(q, k, v, q) + 4 * q.shape[0] * q.shape[1] * q.shape[2]
+            + (2 * _nbytes(segment_ids) if segment_ids is not None else 0)
+        ),
+    ),
+    OpSpec(
+        name="group_norm", family="norms", fn=group_norm_ops.group_norm, reference=ref.group_norm,
+        diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd",),
+        backward="Pallas: dx per (sample, group) with chunked spatial loops + f32 dweight/dbias partials per sample",
+        examples=tuple(
+            Example(
+                f"{'x'.join(map(str, s))}-g{g}-{act}",
+                lambda k, dt, s=s, g=g, act=act: (
+                    (_normal(k, s, dt), 1.0 + 0.1 * _normal(jax.random.fold_in(k, 1), s[-1:], dt),
+                     0.1 * _normal(jax.random.fold_in(k, 2), s[-1:], dt)),
+                    {"num_groups": g, "activation": act},
+                ),
+            )
+            # More cases (3-D spatial, several spatial chunks, one group) in tests/test_vision.py.
+            for s, g, act in (((2, 5, 7, 24), 4, "silu"), ((3, 11, 12), 3, None))
+        ),
+        # UNet shapes: [8, 64, 64, 320] with 32 groups (+SiLU), 128x128x256 and 64x64x512 per sample.
+        lowering=tuple(
+            Example(f"{s}-{dt}-{act}", lambda k, d, s=s, dt=dt, act=act: (
+                (_sds(s, dt), _sds(s[-1:], dt), _sds(s[-1:], dt)), {"num_groups": 32, "activation": act}))
+            for s, dt, act in (((8, 64, 64, 320), "bfloat16", "silu"), ((2, 128, 128, 256), "float32", None), ((4, 64, 64, 512), "bfloat16", None))
+        ),
+        bad_inputs=(
+            BadInput("groups", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((6,)), jnp.ones((6,))), {"num_groups": 4}), ValueError, r"num_groups must be a positive divisor of x's channel count C=6, got 4"),
+            BadInput("weight length", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((5,)), jnp.ones((6,))), {"num_groups": 2}), ValueError, r"weight must have shape \(6,\).*got \(5,\)"),
+            BadInput("rank-1 x", lambda: ((jnp.ones((6,)), jnp.ones((6,)), jnp.ones((6,))), {"num_groups": 2}), ValueError, r"x must have rank >= 2.*got shape \(6,\)"),
+            BadInput("integer x", lambda: ((jnp.ones((2, 4, 6), jnp.int32), jnp.ones((6,)), jnp.ones((6,))), {"num_groups": 2}), TypeError, r"x must have a floating dtype.*got int32"),
+            BadInput("activation", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((6,)), jnp.ones((6,))), {"num_groups": 2, "activation": "gelu"}), ValueError, r"activation must be None or 'silu', got 'gelu'"),
+        ),
+        # x, weight, bias (aliases of live inputs) plus f32 mean and rstd per (sample, group).
+        residual_budget=lambda x, w, b, num_groups, **_: _nbytes(x, w, b) + 8 * x.shape[0] * num_groups,
+    ),
+    OpSpec(
+        name="upsample2d", family="vision", fn=vision.upsample2d, reference=ref.upsample2d,
+        diff_argnums=(0,), static_params=("scale", "method"), kernels=("upsample2d_bwd",),
+        backward="Pallas gather form: each dx pixel sums (bilinear: weights x) the dy pixels it feeds, f32, no atomics",
+        examples=(
+            Example("1x5x7x3-x2-nearest", lambda k, dt: ((_normal(k, (1, 5, 7, 3), dt), 2), {"method": "nearest"})),
+            Example("2x5x7x3-x(2,3)-bilinear", lambda k, dt: ((_normal(k, (2, 5, 7, 3), dt), (2, 3)), {"method": "bilinear"})),
+        ),
+        lowering=tuple(
+            Example(f"8x32x32x640-x2-{m}", lambda k, d, m=m: ((_sds((8, 32, 32, 640), "bfloat16"),), {"scale": 2, "method": m}))
+            for m in ("nearest", "bilinear")
+        ),
+        bad_inputs=(
+            BadInput("rank", lambda: ((jnp.ones((2, 4, 6)), 2), {}), ValueError, r"x must have rank 4.*got shape \(2, 4, 6\)"),
+            BadInput("scale", lambda: ((jnp.ones((1, 2, 2, 1)), 0), {}), ValueError, r"scale must be an int >= 1, got 0"),
+            BadInput("method", lambda: ((jnp.ones((1, 2, 2, 1)), 2), {"method": "bicubic"}), ValueError, r"method must be 'nearest' or 'bilinear', got 'bicubic'"),
+            BadInput("integer x", lambda: ((jnp.ones((1, 2, 2, 1), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, s, **_: 0,
+    ),
+    OpSpec(
+        name="pixel_shuffle", family="vision", fn=vision.pixel_shuffle, reference=ref.pixel_shuffle,
+        diff_argnums=(0,), static_params=("upscale_factor",), kernels=("pixel_shuffle_bwd",),
+        backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write",
+        examples=(
+            Example("1x2x3x27-r3", lambda k, dt: ((_normal(k, (1, 2, 3, 27), dt), 3), {})),
+        ),
+        lowering=(Example("8x64x64x256-r2", lambda k, d: ((_sds((8, 64, 64, 256), "bfloat16"),), {"upscale_factor": 2})),),
+        bad_inputs=(
+            BadInput("channels", lambda: ((jnp.ones((1, 2, 2, 6)), 2), {}), ValueError, r"channel count must be divisible by upscale_factor\*\*2=4, got 6"),
+            BadInput("factor", lambda: ((jnp.ones((1, 2, 2, 4)), 0), {}), ValueError, r"upscale_factor must be an int >= 1, got 0"),
+            BadInput("integer x", lambda: ((jnp.ones((1, 2, 2, 4), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, r, **_: 0,
+    ),
+    OpSpec(
+        name="unpatchify", family="vision", fn=vision.unpatchify, reference=ref.unpatchify,
+        diff_argnums=(0,), static_params=("grid", "patch_size", "channels"), kernels=("unpatchify_bwd",),
+        backward="Pallas: patchify of dy (the inverse permutation), one read and one write",
+        examples=(
+            Example("2x6x12-grid2x3-p2-c3", lambda k, dt: ((_normal(k, (2, 6, 12), dt),), {"grid": (2, 3), "patch_size": 2, "channels": 3})),
+        ),
+        lowering=tuple(
+            Example(f"8x256x16-grid16-p2-c4-{dt}", lambda k, d, dt=dt: ((_sds((8, 256, 16), dt),), {"grid": 16, "patch_size": 2, "channels": 4}))
+            for dt in ("float32", "bfloat16")
+        ),
+        bad_inputs=(
+            BadInput("tokens", lambda: ((jnp.ones((1, 5, 12)),), {"grid": 2, "patch_size": 2, "channels": 3}), ValueError, r"tokens.shape\[1\] must equal gh\*gw=4 for grid=\(2, 2\), got 5"),
+            BadInput("channels", lambda: ((jnp.ones((1, 4, 8)),), {"grid": 2, "patch_size": 2, "channels": 3}), ValueError, r"tokens.shape\[2\] must equal patch_size\*\*2 \* channels=12, got 8"),
+            BadInput("patch_size", lambda: ((jnp.ones((1, 4, 12)),), {"grid": 2, "patch_size": 2.0, "channels": 3}), TypeError, r"patch_size must be a Python int, got 2.0"),
+        ),
+        residual_budget=lambda t, **_: 0,
+    ),
+    OpSpec(
+        name="conv2d", family="vision", fn=vision.conv2d, reference=ref.conv2d,
+        diff_argnums=(0, 1), static_params=("stride", "padding", "dilation", "groups"),
+        kernels=("conv2d_dgrad", "conv2d_wgrad"),
+        backward="Pallas implicit GEMMs: dgrad (stride by skipping taps per phase) and wgrad (f32 split-K partials)",
+        examples=(
+            Example("2x9x11x4*3x3x4x8-pad1", lambda k, dt: (
+                (_normal(k, (2, 9, 11, 4), dt), 0.3 * _normal(jax.random.fold_in(k, 1), (3, 3, 4, 8), dt)), {"padding": 1})),
+        ),
+        # UNet: 3x3 [8, 64, 64, 320] -> 320 (bf16), its stride-2 downsampler, a 1x1 projection.
+        lowering=(
+            Example("8x64x64x320*3x3x320x320-bf16", lambda k, d: ((_sds((8, 64, 64, 320), "bfloat16"), _sds((3, 3, 320, 320), "bfloat16")), {"padding": 1})),
+            Example("8x64x64x320*3x3x320x320-s2-bf16", lambda k, d: ((_sds((8, 64, 64, 320), "bfloat16"), _sds((3, 3, 320, 320), "bfloat16")), {"padding": 1, "stride": 2})),
+            Example("8x32x32x640*1x1x640x320-f32", lambda k, d: ((_sds((8, 32, 32, 640), "float32"), _sds((1, 1, 640, 320), "float32")), {})),
+        ),
+        bad_inputs=(
+            BadInput("w channels", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"groups": 2}), ValueError, r"w must have shape \[kh, kw, Cin/groups=2, Cout\], got \(3, 3, 4, 8\)"),
+            BadInput("groups", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 1, 6))), {"groups": 3}), ValueError, r"groups must divide x's channel count Cin=4, got groups=3"),
+            BadInput("stride", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"stride": 0}), ValueError, r"stride must be an int >= 1, got 0"),
+            BadInput("padding", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"padding": "FULL"}), ValueError, r"padding must be 'SAME', 'VALID'.*got 'FULL'"),
+            BadInput("x rank", lambda: ((jnp.ones((8, 8, 4)), jnp.ones((3, 3, 4, 8))), {}), ValueError, r"x must have rank 4.*got shape \(8, 8, 4\)"),
+            BadInput("integer x", lambda: ((jnp.ones((1, 8, 8, 4), jnp.int32), jnp.ones((3, 3, 4, 8))), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        # forward 2*N*Ho*Wo*Cout*kh*kw*Cin/groups, dgrad and wgrad the same each.
+        flops=lambda x, w, **kw: 3 * 2 * w.shape[0] * w.shape[1] * w.shape[2] * jnp.size(
+            jax.eval_shape(lambda a, b: ref.conv2d(a, b, **kw), x, w)
+        ),
+        # x and w only (aliases of live inputs).
+        residual_budget=lambda x, w, **_: _nbytes(x, w),
     ),
 ]
 

@@ -270,3 +270,18 @@ def online_lse_update(m, s, x):
     shift = finite_or_zero(m_new)
     s_new = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[..., None]), axis=-1)
     return m_new, s_new
+
+
+def idiv(x, k: int):
+    """``x // k`` for non-negative int32 ``x`` and a static positive int ``k``.
+
+    Written with ``lax.div`` (truncation equals floor for x >= 0) rather than jnp's
+    ``//``/``%``, whose sign-fixing selects fail Triton's lowering when ``x`` is a scalar
+    loop index (and for the literal divisor 1).
+    """
+    return x if k == 1 else jax.lax.div(x, jnp.full_like(x, k))
+
+
+def imod(x, k: int):
+    """``x % k`` for non-negative int32 ``x`` and a static positive int ``k`` (see ``idiv``)."""
+    return jnp.zeros_like(x) if k == 1 else jax.lax.rem(x, jnp.full_like(x, k))

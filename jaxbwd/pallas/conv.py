@@ -1,0 +1,256 @@
+"""conv2d backward as implicit GEMMs: dgrad (dx) and wgrad (dw), NHWC x, HWIO w.
+
+Forward: ``y[n, p, q, co] = sum_{a, b, ci} x[n, p*sh - pt + a*dh, q*sw - pl + b*dw, g*Cig + ci]
+* w[a, b, ci, co]`` with g = co // Cog (Cig = Cin/groups, Cog = Cout/groups).
+
+Implicit GEMM (as cuDNN and CUTLASS do): the GEMM operands are gathered tile by tile from
+x / dy / w with computed row indices and masks (padding, image edges, tails); no im2col
+matrix and no zero-dilated dy is ever written to HBM.
+
+- wgrad, per tap (a, b) and group g: ``dw[a, b] = X_ab^T @ dY`` with M = Cig, N = Cog and
+  K = N*Ho*Wo output pixels, X_ab's rows being the input pixels tap (a, b) reads. K is
+  split over ``S`` programs that each write an f32 partial; XLA sums the S partials:
+  fixed order, no atomics, deterministic.
+- dgrad: ``dx = sum_{a, b} dY_ab @ w[a, b]^T`` with M = input pixels, N = Cig and
+  K = taps x Cog. Input pixel h receives tap a from output row p = (h + pt - a*dh) / sh
+  only when that division is exact. Programs own pixels of one stride phase
+  (h mod sh, w mod sw), for which exactness is the same for every pixel of the tile, so
+  a tap that cannot contribute is skipped outright (``lax.cond``): stride by skipping,
+  1/(sh*sw) of the taps' work at stride 2 x 2 as in CUTLASS's strided dgrad.
+- Depthwise convolution (Cig == 1, groups == Cin, channel multiplier m = Cout/Cin) has no
+  reduction over channels: the same kernels use elementwise products over channel tiles
+  instead of tile matmuls (a matmul would be 1/16 useful).
+
+Accumulation is f32; tiles are fed to ``dot`` in the input dtype (bf16/f16 tensor cores;
+f32 without TF32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+# Tile sizes: M (pixels) x N (channels) x K (channels or pixels). All >= 16 so tl.dot lowers.
+BLOCK_PIX = 64
+MAX_BLOCK_CH = 64
+BLOCK_K_PIX = 64  # wgrad's reduction chunk over output pixels
+DW_BLOCK_CH = 128  # depthwise channel tile
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    N: int
+    H: int
+    W: int
+    Cin: int
+    Ho: int
+    Wo: int
+    Cout: int
+    KH: int
+    KW: int
+    sh: int
+    sw: int
+    dh: int
+    dw: int
+    pt: int
+    pl: int
+    groups: int
+    pb: int = 0  # bottom / right padding: only the forward needs them
+    pr: int = 0
+
+    @property
+    def Cig(self) -> int:
+        return self.Cin // self.groups
+
+    @property
+    def Cog(self) -> int:
+        return self.Cout // self.groups
+
+    @property
+    def taps(self) -> int:
+        return self.KH * self.KW
+
+    @property
+    def depthwise(self) -> bool:
+        return self.Cig == 1 and self.groups > 1
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.N * self.Ho * self.Wo * self.Cout * self.taps * self.Cig
+
+
+def _ch_block(n: int) -> int:
+    return max(16, min(C.next_pow2(n), MAX_BLOCK_CH))
+
+
+def _load(ref, idx, mask, dtype):
+    return C.load(ref, idx, mask, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- wgrad
+def _wgrad_kernel(x_ref, dy_ref, dw_ref, *, geo: ConvGeometry, BK: int, BI: int, BO: int, S: int, n_iter: int):
+    pid, s = pl.program_id(0), pl.program_id(1)
+    dt = x_ref.dtype
+    if geo.depthwise:
+        nbo = C.cdiv(geo.Cout, BO)
+        tap, bo = C.idiv(pid, nbo), C.imod(pid, nbo)
+        co = bo * BO + jnp.arange(BO)
+        omask = co < geo.Cout
+        xcols = C.idiv(co, geo.Cog)  # the input channel each output channel reads
+        acc = jnp.zeros((BO,), jnp.float32)
+    else:
+        nbi, nbo = C.cdiv(geo.Cig, BI), C.cdiv(geo.Cog, BO)
+        per_tap = geo.groups * nbi * nbo
+        tap, rest = C.idiv(pid, per_tap), C.imod(pid, per_tap)
+        g, bi, bo = C.idiv(rest, nbi * nbo), C.imod(C.idiv(rest, nbo), nbi), C.imod(rest, nbo)
+        ci = bi * BI + jnp.arange(BI)
+        co = bo * BO + jnp.arange(BO)
+        imask, omask = ci < geo.Cig, co < geo.Cog
+        xcols, ycols = g * geo.Cig + ci, g * geo.Cog + co
+        acc = jnp.zeros((BI, BO), jnp.float32)
+    a, b = C.idiv(tap, geo.KW), C.imod(tap, geo.KW)
+    n_pix = geo.N * geo.Ho * geo.Wo
+
+    def body(it, acc):
+        pix = (s + it * S) * BK + jnp.arange(BK)
+        n, p, q = C.idiv(pix, geo.Ho * geo.Wo), C.imod(C.idiv(pix, geo.Wo), geo.Ho), C.imod(pix, geo.Wo)
+        hi = p * geo.sh - geo.pt + a * geo.dh
+        wi = q * geo.sw - geo.pl + b * geo.dw
+        inb = pix < n_pix
+        valid = inb & (hi >= 0) & (hi < geo.H) & (wi >= 0) & (wi < geo.W)
+        xrow = jnp.where(valid, (n * geo.H + hi) * geo.W + wi, 0)
+        yrow = jnp.where(inb, pix, 0)
+        if geo.depthwise:
+            m = valid[:, None] & omask[None, :]
+            xt = C.load(x_ref, (xrow[:, None], xcols[None, :]), m)
+            yt = C.load(dy_ref, (yrow[:, None], co[None, :]), m)
+            return acc + jnp.sum(xt * yt, axis=0)
+        xt = _load(x_ref, (xrow[:, None], xcols[None, :]), valid[:, None] & imask[None, :], dt)
+        yt = _load(dy_ref, (yrow[:, None], ycols[None, :]), inb[:, None] & omask[None, :], dt)
+        return acc + C.dot(xt, yt, trans_a=True)
+
+    acc = jax.lax.fori_loop(0, n_iter, body, acc)
+    if geo.depthwise:
+        C.store(dw_ref, (s * geo.taps + tap, co), acc, omask)
+    else:
+        rows = (s * geo.taps + tap) * geo.Cig + ci
+        C.store_tile(dw_ref, rows, ycols, acc, imask[:, None] & omask[None, :])
+
+
+def conv2d_wgrad(x, dy, geo: ConvGeometry, *, interpret: bool = False):
+    """dw [KH, KW, Cig, Cout] float32 from x [N, H, W, Cin] and dy [N, Ho, Wo, Cout]."""
+    n_pix = geo.N * geo.Ho * geo.Wo
+    BK = BLOCK_K_PIX
+    n_kb = C.cdiv(n_pix, BK)
+    if geo.depthwise:
+        BI, BO = 1, min(DW_BLOCK_CH, max(16, C.next_pow2(geo.Cout)))
+        tiles = geo.taps * C.cdiv(geo.Cout, BO)
+        rows_out = geo.taps
+    else:
+        BI, BO = _ch_block(geo.Cig), _ch_block(geo.Cog)
+        tiles = geo.taps * geo.groups * C.cdiv(geo.Cig, BI) * C.cdiv(geo.Cog, BO)
+        rows_out = geo.taps * geo.Cig
+    # Split the pixel reduction until the grid fills about two waves of the GPU.
+    S = max(1, min(n_kb, C.cdiv(2 * C.PERSISTENT_PROGRAMS, tiles)))
+    n_iter = C.cdiv(n_kb, S)
+    kernel = functools.partial(_wgrad_kernel, geo=geo, BK=BK, BI=BI, BO=BO, S=S, n_iter=n_iter)
+    part = C.call(
+        kernel, name="conv2d_wgrad", grid=(tiles, S),
+        out_shape=jax.ShapeDtypeStruct((S * rows_out, geo.Cout), jnp.float32), interpret=interpret,
+        num_warps=4, num_stages=None, flops=geo.flops,
+        bytes_accessed=C.nbytes(x) * geo.taps + C.nbytes(dy) + 4 * S * rows_out * geo.Cout,
+    )(x.reshape(-1, geo.Cin), dy.reshape(-1, geo.Cout))
+    return part.reshape(S, geo.KH, geo.KW, geo.Cig, geo.Cout).sum(axis=0)
+
+
+# ----------------------------------------------------------------------------- dgrad
+def _dgrad_kernel(dy_ref, w_ref, dx_ref, *, geo: ConvGeometry, BM: int, BI: int, BO: int):
+    phase, mb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dt = dy_ref.dtype
+    rh, rw = C.idiv(phase, geo.sw), C.imod(phase, geo.sw)
+    Hp, Wp = C.cdiv(geo.H, geo.sh), C.cdiv(geo.W, geo.sw)
+    m = mb * BM + jnp.arange(BM)
+    n, i, j = C.idiv(m, Hp * Wp), C.imod(C.idiv(m, Wp), Hp), C.imod(m, Wp)
+    h, w = rh + geo.sh * i, rw + geo.sw * j
+    pmask = (m < geo.N * Hp * Wp) & (h < geo.H) & (w < geo.W)
+    if geo.depthwise:
+        ci = cb * BI + jnp.arange(BI)  # over all Cin channels
+        cmask = ci < geo.Cin
+        dxcols = ci
+    else:
+        nbi = C.cdiv(geo.Cig, BI)
+        g, bi = C.idiv(cb, nbi), C.imod(cb, nbi)
+        ci = bi * BI + jnp.arange(BI)
+        cmask = ci < geo.Cig
+        dxcols = g * geo.Cig + ci
+    # Non-negative shifts so that % and // act on non-negative numbers.
+    off_h = geo.sh * C.cdiv(geo.dh * (geo.KH - 1), geo.sh)
+    off_w = geo.sw * C.cdiv(geo.dw * (geo.KW - 1), geo.sw)
+
+    def tap_work(t, acc):
+        a, b = C.idiv(t, geo.KW), C.imod(t, geo.KW)
+        hp = h + geo.pt - a * geo.dh
+        wp = w + geo.pl - b * geo.dw
+        p = C.idiv(hp + off_h, geo.sh) - off_h // geo.sh
+        q = C.idiv(wp + off_w, geo.sw) - off_w // geo.sw
+        valid = pmask & (hp >= 0) & (p < geo.Ho) & (wp >= 0) & (q < geo.Wo)
+        yrow = jnp.where(valid, (n * geo.Ho + p) * geo.Wo + q, 0)
+        if geo.depthwise:
+            for k in range(geo.Cog):  # channel multiplier: co = ci * m + k
+                co = ci * geo.Cog + k
+                mk = valid[:, None] & cmask[None, :]
+                yt = C.load(dy_ref, (yrow[:, None], co[None, :]), mk)
+                wt = C.load(w_ref, (t, co), cmask)
+                acc = acc + yt * wt[None, :]
+            return acc
+
+        def co_body(k, acc):
+            co = k * BO + jnp.arange(BO)
+            omask = co < geo.Cog
+            cols = g * geo.Cog + co
+            yt = _load(dy_ref, (yrow[:, None], cols[None, :]), valid[:, None] & omask[None, :], dt)
+            wt = _load(w_ref, ((t * geo.Cig + ci)[:, None], cols[None, :]), cmask[:, None] & omask[None, :], dt)
+            return acc + C.dot(yt, wt, trans_b=True)
+
+        return jax.lax.fori_loop(0, C.cdiv(geo.Cog, BO), co_body, acc)
+
+    def tap_body(t, acc):
+        if geo.sh == 1 and geo.sw == 1:
+            return tap_work(t, acc)
+        a, b = C.idiv(t, geo.KW), C.imod(t, geo.KW)
+        hits = (C.imod(rh + geo.pt - a * geo.dh + off_h, geo.sh) == 0) & (
+            C.imod(rw + geo.pl - b * geo.dw + off_w, geo.sw) == 0
+        )
+        return jax.lax.cond(hits, lambda acc: tap_work(t, acc), lambda acc: acc, acc)
+
+    acc = jax.lax.fori_loop(0, geo.taps, tap_body, jnp.zeros((BM, BI), jnp.float32))
+    # Masked lanes get distinct out-of-range rows: interpret mode emulates a masked store as a
+    # read-select-scatter, where a masked lane aliasing a real one could write a stale value.
+    xrow = jnp.where(pmask, (n * geo.H + h) * geo.W + w, geo.N * geo.H * geo.W + jnp.arange(BM))
+    C.store(dx_ref, (xrow[:, None], dxcols[None, :]), acc, pmask[:, None] & cmask[None, :])
+
+
+def conv2d_dgrad(dy, w, geo: ConvGeometry, *, interpret: bool = False):
+    """dx [N, H, W, Cin] in dy's dtype from dy [N, Ho, Wo, Cout] and w [KH, KW, Cig, Cout]."""
+    BM = BLOCK_PIX
+    if geo.depthwise:
+        BI, BO = min(DW_BLOCK_CH, max(16, C.next_pow2(geo.Cin))), 1
+        n_cb = C.cdiv(geo.Cin, BI)
+    else:
+        BI, BO = _ch_block(geo.Cig), _ch_block(geo.Cog)
+        n_cb = geo.groups * C.cdiv(geo.Cig, BI)
+    n_mb = C.cdiv(geo.N * C.cdiv(geo.H, geo.sh) * C.cdiv(geo.W, geo.sw), BM)
+    kernel = functools.partial(_dgrad_kernel, geo=geo, BM=BM, BI=BI, BO=BO)
+    dx = C.call(
+        kernel, name="conv2d_dgrad", grid=(geo.sh * geo.sw, n_mb, n_cb),
+        out_shape=jax.ShapeDtypeStruct((geo.N * geo.H * geo.W, geo.Cin), dy.dtype), interpret=interpret,
+        num_warps=4, flops=geo.flops,
+        bytes_accessed=C.nbytes(dy) * geo.taps // (geo.sh * geo.sw) + C.nbytes(w) * n_mb
+        + geo.N * geo.H * geo.W * geo.Cin * jnp.dtype(dy.dtype).itemsize,
+    )(dy.reshape(-1, geo.Cout), w.reshape(geo.taps * geo.Cig, geo.Cout))
+    return dx.reshape(geo.N, geo.H, geo.W, geo.Cin)

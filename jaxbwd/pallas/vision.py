@@ -1,0 +1,146 @@
+"""Backward kernels of upsample2d, pixel_shuffle and unpatchify.
+
+All three are written in gather form: each program owns a tile of the *input* gradient
+(viewed as [rows, channels]) and reads the output-gradient elements that land on it, so
+every dx element is written exactly once, by one program, in a fixed order: no atomics,
+bitwise reproducible.
+
+- pixel_shuffle / unpatchify: the backward is the inverse permutation (pixel_unshuffle,
+  patchify): one read and one write per element. The gather index is computed from the
+  tile's (row, column) indices.
+- upsample2d: each dx pixel sums the (sh x sw) dy block it was copied to (nearest), or the
+  dy pixels whose bilinear stencil touches it, weighted by the interpolation weights
+  recomputed from the half-pixel-centre formula (bilinear). The taps are a static loop.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+# Tiles of the permutation kernels: 4096 elements, up to 1024 channels wide.
+PERMUTE_TILE = 4096
+
+
+def _tiling(R: int, K: int) -> C.RowTiling:
+    return C.row_tiling(R, K, max_tile=PERMUTE_TILE, max_block_rows=256)
+
+
+# --------------------------------------------------------------------- permutations
+def _gather_kernel(src_ref, out_ref, *, t: C.RowTiling, index):
+    rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
+    src = index(rows[:, None], cols[None, :])
+    src = jnp.where(mask, src, 0)
+    C.store_tile(out_ref, rows, cols, C.load(src_ref, src, mask), mask)
+
+
+def _gather(src, out_rows: int, out_cols: int, index, *, name: str, interpret: bool):
+    """out[r, k] = src.ravel()[index(r, k)] for a permutation ``index``; out [R, K] in src's dtype."""
+    t = _tiling(out_rows, out_cols)
+    flat = src.reshape(-1)
+    return C.call(
+        functools.partial(_gather_kernel, t=t, index=index), name=name,
+        grid=(t.num_row_blocks, t.num_col_blocks),
+        out_shape=jax.ShapeDtypeStruct((out_rows, out_cols), src.dtype), interpret=interpret,
+        num_warps=t.num_warps, bytes_accessed=2 * C.nbytes(src),
+    )(flat)
+
+
+def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
+    """pixel_unshuffle of dy [N, H*r, W*r, C] -> dx [N, H, W, C*r*r].
+
+    ``dx[n, h, w, c*r*r + i*r + j] = dy[n, h*r+i, w*r+j, c]``.
+    """
+    N, Hr, Wr, Cc = dy.shape
+    H, W = Hr // r, Wr // r
+
+    def index(p, k):
+        n, h, w = C.idiv(p, H * W), C.imod(C.idiv(p, W), H), C.imod(p, W)
+        c, i, j = C.idiv(k, r * r), C.imod(C.idiv(k, r), r), C.imod(k, r)
+        return (((n * H + h) * r + i) * Wr + w * r + j) * Cc + c
+
+    dx = _gather(dy, N * H * W, Cc * r * r, index, name="pixel_shuffle_bwd", interpret=interpret)
+    return dx.reshape(N, H, W, Cc * r * r)
+
+
+def unpatchify_bwd(dy, gh: int, gw: int, p: int, *, interpret: bool = False):
+    """patchify of dy [N, gh*p, gw*p, C] -> dtokens [N, gh*gw, p*p*C].
+
+    ``dtokens[n, gi*gw+gj, (i*p+j)*C + c] = dy[n, gi*p+i, gj*p+j, c]``.
+    """
+    N, Ho, Wo, Cc = dy.shape
+    T = gh * gw
+
+    def index(row, k):
+        n, tok = C.idiv(row, T), C.imod(row, T)
+        gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
+        i, j, c = C.idiv(k, p * Cc), C.imod(C.idiv(k, Cc), p), C.imod(k, Cc)
+        return ((n * Ho + gi * p + i) * Wo + gj * p + j) * Cc + c
+
+    dt = _gather(dy, N * T, p * p * Cc, index, name="unpatchify_bwd", interpret=interpret)
+    return dt.reshape(N, T, p * p * Cc)
+
+
+# ------------------------------------------------------------------------ upsample2d
+def bilinear_taps(s: int) -> tuple[int, ...]:
+    """Offsets d such that output o = s*h + d can read input h under half-pixel bilinear
+    upsampling by s: |(o + 0.5)/s - 0.5 - h| < 1, i.e. -s/2 - 1/2 < d < 3s/2 - 1/2."""
+    return tuple(d for d in range(-s, 2 * s) if abs((d + 0.5) / s - 0.5) < 1.0)
+
+
+def bilinear_weight(o, h, s: int, n_in: int):
+    """Weight of input index h in output o (upsampling by s, half-pixel centres, edge
+    taps clamped as ``jax.image.resize``): the sum of the two taps' weights that map to h."""
+    u = (o.astype(jnp.float32) + 0.5) / s - 0.5
+    i0 = (u + 1.0).astype(jnp.int32) - 1  # floor(u) for u > -1
+    f = u - i0.astype(jnp.float32)
+    t0 = jnp.clip(i0, 0, n_in - 1)
+    t1 = jnp.clip(i0 + 1, 0, n_in - 1)
+    return jnp.where(t0 == h, 1.0 - f, 0.0) + jnp.where(t1 == h, f, 0.0)
+
+
+def _upsample_bwd_kernel(dy_ref, dx_ref, *, t: C.RowTiling, H: int, W: int, sh: int, sw: int, bilinear: bool):
+    rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
+    Ho, Wo = H * sh, W * sw
+    n, h, w = C.idiv(rows, H * W), C.imod(C.idiv(rows, W), H), C.imod(rows, W)
+    taps_h = bilinear_taps(sh) if bilinear else tuple(range(sh))
+    taps_w = bilinear_taps(sw) if bilinear else tuple(range(sw))
+    acc = jnp.zeros((t.block_rows, t.block_cols), jnp.float32)
+    for dh in taps_h:
+        oh = h * sh + dh
+        vh = (oh >= 0) & (oh < Ho)
+        wh = bilinear_weight(oh, h, sh, H) if bilinear else None
+        for dw in taps_w:
+            ow = w * sw + dw
+            valid = vh & (ow >= 0) & (ow < Wo)
+            src = jnp.where(valid, (n * Ho + oh) * Wo + ow, 0)
+            m = mask & valid[:, None]
+            v = C.load_tile(dy_ref, src, cols, m)
+            if bilinear:
+                v = v * jnp.where(valid, wh * bilinear_weight(ow, w, sw, W), 0.0)[:, None]
+            acc = acc + v
+    C.store_tile(dx_ref, rows, cols, acc, mask)
+
+
+def upsample2d_bwd(dy, sh: int, sw: int, *, bilinear: bool, interpret: bool = False):
+    """dx [N, H, W, C] of upsample2d from dy [N, H*sh, W*sw, C], f32 accumulation.
+
+    nearest: ``dx[n, h, w] = sum_{a<sh, b<sw} dy[n, h*sh+a, w*sw+b]``; bilinear: the sum over
+    the dy pixels whose interpolation stencil includes (h, w), times their weights.
+    """
+    N, Ho, Wo, Cc = dy.shape
+    H, W = Ho // sh, Wo // sw
+    t = _tiling(N * H * W, Cc)
+    n_taps = (len(bilinear_taps(sh)) * len(bilinear_taps(sw))) if bilinear else sh * sw
+    dx = C.call(
+        functools.partial(_upsample_bwd_kernel, t=t, H=H, W=W, sh=sh, sw=sw, bilinear=bilinear),
+        name="upsample2d_bwd", grid=(t.num_row_blocks, t.num_col_blocks),
+        out_shape=jax.ShapeDtypeStruct((N * H * W, Cc), dy.dtype), interpret=interpret,
+        num_warps=t.num_warps, flops=2 * n_taps * N * H * W * Cc,
+        bytes_accessed=C.nbytes(dy) * (n_taps // (sh * sw) if bilinear else 1) + C.nbytes(dy) // (sh * sw),
+    )(dy.reshape(N * Ho * Wo, Cc))
+    return dx.reshape(N, H, W, Cc)
