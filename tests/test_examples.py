@@ -40,3 +40,18 @@ def test_train_lm_pallas_interpret_tiny(tmp_path):
           "--implementation", "pallas", "--name", "pallas"], tmp_path)
     m = json.loads((tmp_path / "pallas" / "metrics.json").read_text())
     assert m["implementation"] == "pallas" and len(m["train_loss"]) == 3
+
+
+def test_train_superres_tiny_loss_goes_down(tmp_path):
+    stdout = _run(["examples/train_superres.py", "--steps", "40", "--batch", "4", "--crop", "24", "--name", "sr"], tmp_path)
+    m = json.loads((tmp_path / "sr" / "metrics.json").read_text())
+    first, last = sum(m["train_loss"][:5]) / 5, sum(m["train_loss"][-5:]) / 5
+    assert last < first, (first, last)
+    assert (tmp_path / "sr" / "superres.png").stat().st_size > 10000
+    assert "PSNR" in stdout and m["psnr_model"] > 15
+
+
+def test_train_superres_pallas_interpret(tmp_path):
+    _run(["examples/train_superres.py", "--steps", "2", "--batch", "2", "--crop", "16", "--implementation", "pallas",
+          "--name", "srp"], tmp_path)
+    assert json.loads((tmp_path / "srp" / "metrics.json").read_text())["implementation"] == "pallas"

@@ -11,6 +11,7 @@ import jaxbwd
 import jaxbwd.nn as jnn
 
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 24))
+IMG = jax.random.normal(jax.random.PRNGKey(3), (2, 7, 9, 8))
 
 
 @pytest.mark.parametrize(
@@ -21,8 +22,11 @@ X = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 24))
         (jnn.Dense(7), fnn.Dense(7), X),
         (jnn.Dense(7, use_bias=False), fnn.Dense(7, use_bias=False), X),
         (jnn.Embed(50, 12), fnn.Embed(50, 12), jnp.array([[1, 4, 49], [0, 0, 7]])),
+        (jnn.GroupNorm(num_groups=4), fnn.GroupNorm(num_groups=4), IMG),
+        (jnn.Conv(6, (3, 3)), fnn.Conv(6, (3, 3)), IMG),
+        (jnn.Conv(8, (3, 3), strides=2, padding=1), fnn.Conv(8, (3, 3), strides=2, padding=1), IMG),
     ],
-    ids=["RMSNorm", "LayerNorm", "Dense", "Dense-nobias", "Embed"],
+    ids=["RMSNorm", "LayerNorm", "Dense", "Dense-nobias", "Embed", "GroupNorm", "Conv", "Conv-stride2"],
 )
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_matches_flax_module(ours, theirs, inputs, impl):

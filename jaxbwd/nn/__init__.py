@@ -4,11 +4,16 @@ Requires the ``flax`` extra: ``pip install "jaxbwd[flax]"``.
 """
 from jaxbwd.nn.linen import (
     Attention,
+    Conv,
     Dense,
     Embed,
+    GroupNorm,
     LayerNorm,
+    PixelShuffle,
     RMSNorm,
     SwiGLUMLP,
+    Upsample,
 )
 
-__all__ = ["Attention", "Dense", "Embed", "LayerNorm", "RMSNorm", "SwiGLUMLP"]
+__all__ = ["Attention", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "PixelShuffle", "RMSNorm",
+           "SwiGLUMLP", "Upsample"]

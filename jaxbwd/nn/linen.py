@@ -160,3 +160,89 @@ class Attention(fnn.Module):
         o = jaxbwd.dot_product_attention(q, k, v, is_causal=self.is_causal, segment_ids=segment_ids,
                                          implementation=impl)
         return dense(x.shape[-1], "out")(o.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class GroupNorm(fnn.Module):
+    """GroupNorm over (spatial, channels of a group), channels last; params ``scale``, ``bias``.
+
+    As ``flax.linen.GroupNorm`` (``num_groups=32``, ``epsilon=1e-6``). ``activation="silu"``
+    fuses the SiLU that UNet blocks apply next. Call: x [N, ..., C] -> same shape and dtype.
+    Errors: those of :func:`jaxbwd.group_norm`. Source: Wu & He (2018).
+    """
+
+    num_groups: int = 32
+    epsilon: float = 1e-6
+    activation: Optional[str] = None
+    param_dtype: Any = jnp.float32
+    scale_init: Initializer = fnn.initializers.ones
+    bias_init: Initializer = fnn.initializers.zeros
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, x):
+        c = x.shape[-1]
+        scale = self.param("scale", self.scale_init, (c,), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (c,), self.param_dtype)
+        return jaxbwd.group_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), num_groups=self.num_groups,
+                                 eps=self.epsilon, activation=self.activation, implementation=self.implementation)
+
+
+class Conv(fnn.Module):
+    """2-D convolution, NHWC; params ``kernel`` [kh, kw, Cin/groups, features] and ``bias``.
+
+    As ``flax.linen.Conv`` for 2-D inputs (lecun_normal kernel, zero bias, padding "SAME").
+    Call: x [N, H, W, Cin] -> [N, Ho, Wo, features]. Errors: those of :func:`jaxbwd.conv2d`.
+    Source: implicit-GEMM dgrad/wgrad kernels (see :func:`jaxbwd.conv2d`).
+    """
+
+    features: int
+    kernel_size: tuple = (3, 3)
+    strides: Any = 1
+    padding: Any = "SAME"
+    kernel_dilation: Any = 1
+    feature_group_count: int = 1
+    use_bias: bool = True
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = fnn.initializers.lecun_normal()
+    bias_init: Initializer = fnn.initializers.zeros
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, x):
+        kh, kw = self.kernel_size
+        cin = x.shape[-1] // self.feature_group_count
+        kernel = self.param("kernel", self.kernel_init, (kh, kw, cin, self.features), self.param_dtype)
+        y = jaxbwd.conv2d(x, kernel.astype(x.dtype), stride=self.strides, padding=self.padding,
+                          dilation=self.kernel_dilation, groups=self.feature_group_count,
+                          implementation=self.implementation)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            y = jaxbwd.bias_add(y, bias.astype(y.dtype), implementation=self.implementation)
+        return y
+
+
+class PixelShuffle(fnn.Module):
+    """Depth to space: [N, H, W, C*r*r] -> [N, H*r, W*r, C] (no parameters).
+
+    Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
+    """
+
+    upscale_factor: int
+    implementation: Optional[str] = None
+
+    def __call__(self, x):
+        return jaxbwd.pixel_shuffle(x, self.upscale_factor, implementation=self.implementation)
+
+
+class Upsample(fnn.Module):
+    """Nearest or bilinear upsampling of NHWC images by integer factors (no parameters).
+
+    Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
+    """
+
+    scale: Any = 2
+    method: str = "nearest"
+    implementation: Optional[str] = None
+
+    def __call__(self, x):
+        return jaxbwd.upsample2d(x, self.scale, method=self.method, implementation=self.implementation)
