@@ -109,17 +109,8 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
     args, kwargs = bench_inputs(spec, size, jax.random.PRNGKey(0))
     diff = [args[i] for i in spec.diff_argnums]
 
-    def closure(fn, extra):
-        def f(*d):
-            full = list(args)
-            for i, v in zip(spec.diff_argnums, d):
-                full[i] = v
-            return fn(*full, **kwargs, **extra)
-
-        return f
-
-    ours = closure(spec.fn, {"implementation": implementation})
-    theirs = closure(spec.reference, {})
+    ours = spec.bind(args, kwargs, implementation=implementation)
+    theirs = spec.bind(args, kwargs, spec.reference)
     out_shape = jax.eval_shape(ours, *diff)
     ct = jax.random.normal(jax.random.PRNGKey(1), out_shape.shape, jnp.float32).astype(out_shape.dtype)
 

@@ -51,21 +51,12 @@ def check_op(spec: registry.OpSpec, implementation: str, *, tol: float = 1e-4, s
     args = list(args)
     diff = [args[i] for i in spec.diff_argnums]
 
-    def closure(fn, extra):
-        def f(*d):
-            full = list(args)
-            for i, v in zip(spec.diff_argnums, d):
-                full[i] = v
-            return fn(*full, **kwargs, **extra)
-
-        return f
-
     interpret = jax.default_backend() != "gpu"
     with config.use(interpret=interpret or config.interpret()):
-        out, vjp = jax.vjp(closure(spec.fn, {"implementation": implementation}), *diff)
+        out, vjp = jax.vjp(spec.bind(args, kwargs, implementation=implementation), *diff)
         ct = jax.random.normal(jax.random.PRNGKey(seed + 1), out.shape, jnp.float32).astype(out.dtype)
         grads = vjp(ct)
-    want_out, vjp_ref = jax.vjp(closure(spec.reference, {}), *diff)
+    want_out, vjp_ref = jax.vjp(spec.bind(args, kwargs, spec.reference), *diff)
     want = vjp_ref(ct)
     rows = []
     for name, a, b in [("out", out, want_out)] + list(zip(_arg_names(spec), grads, want)):

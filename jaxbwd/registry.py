@@ -72,6 +72,22 @@ class OpSpec:
     def has_kernels(self) -> bool:
         return bool(self.kernels)
 
+    def bind(self, args: Sequence[Any], kwargs: dict, fn: Optional[Callable[..., Any]] = None, **extra) -> Callable:
+        """``f(*diff_args)``: ``fn`` (default: the op) with the non-differentiable args fixed.
+
+        ``extra`` keyword arguments (e.g. ``implementation``) are passed to every call.
+        """
+        fn = self.fn if fn is None else fn
+        args = list(args)
+
+        def f(*diff):
+            full = list(args)
+            for i, v in zip(self.diff_argnums, diff):
+                full[i] = v
+            return fn(*full, **kwargs, **extra)
+
+        return f
+
 
 def _normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)

@@ -42,15 +42,7 @@ def _setup(spec, ex, dt, seed=0):
 
 def _closure(fn, spec, args, kwargs, impl=None):
     """f(*diff_args) with the non-differentiable args fixed."""
-    extra = {} if impl is None else {"implementation": impl}
-
-    def f(*diff):
-        full = list(args)
-        for i, d in zip(spec.diff_argnums, diff):
-            full[i] = d
-        return fn(*full, **kwargs, **extra)
-
-    return f
+    return spec.bind(args, kwargs, fn, **({} if impl is None else {"implementation": impl}))
 
 
 def _cotangent(out, seed=1):
@@ -148,11 +140,7 @@ def test_transforms(spec, ex, impl, dt):
     nb = [i for i in range(len(args)) if i not in spec.diff_argnums]
     assert all(i in spec.diff_argnums for i in ex.batch_argnums) or nb
 
-    def single(*diff):  # one example, diff args only
-        full = list(args)
-        for i, d in zip(spec.diff_argnums, diff):
-            full[i] = d
-        return spec.fn(*full, **kwargs, implementation=impl)
+    single = spec.bind(args, kwargs, implementation=impl)  # one example, diff args only
 
     diff = [args[i] for i in spec.diff_argnums]
     n = diff[spec.diff_argnums.index(ex.batch_argnums[0])].shape[0]

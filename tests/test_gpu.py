@@ -22,12 +22,7 @@ def test_kernel_matches_xla_at_llm_shapes(spec):
     diff = [args[i] for i in spec.diff_argnums]
 
     def run(impl):
-        def f(*d):
-            full = list(args)
-            for i, v in zip(spec.diff_argnums, d):
-                full[i] = v
-            return spec.fn(*full, **kwargs, implementation=impl)
-
+        f = spec.bind(args, kwargs, implementation=impl)
         out, vjp = jax.vjp(f, *diff)
         ct = jax.random.normal(jax.random.PRNGKey(1), out.shape, jnp.float32).astype(out.dtype)
         return out, vjp(ct)
