@@ -359,6 +359,8 @@ _SPECS: list[OpSpec] = [
             BadInput("label_smoothing", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)), {"label_smoothing": 1.5}), ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
             BadInput("z_loss", lambda: ((jnp.ones((4, 8)), jnp.zeros((4,), jnp.int32)), {"z_loss": -1.0}), ValueError, r"z_loss must be >= 0, got -1.0"),
         ),
+        bench=(("llm", Example("8192x128256-bf16", lambda k, dt: (
+            (_normal(k, (8192, 128256), "bfloat16"), jax.random.randint(jax.random.fold_in(k, 1), (8192,), 0, 128256)), {}))),),
         # logits (already live) + int32 labels + f32 lse per row: O(rows) beyond the logits.
         residual_budget=lambda logits, labels, **_: _nbytes(logits) + 8 * _rows(logits),
     ),
@@ -370,6 +372,8 @@ _SPECS: list[OpSpec] = [
             Example("5x7@13x24", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (5, 7), -1, 14), _normal(k, (13, 24), dt)), {}), (1,)),
             Example("40@9x33-pad0", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (40,), 0, 9), _normal(k, (9, 33), dt)), {"padding_idx": 0}), (1,)),
         ),
+        bench=(("llm", Example("8192@32000x4096-bf16", lambda k, dt: (
+            (jax.random.randint(jax.random.fold_in(k, 1), (8192,), 0, 32000), _normal(k, (32000, 4096), "bfloat16")), {}), (1,))),),
         lowering=(
             Example("8192@32000x4096-bf16", lambda k, d: ((_sds((8192,), "int32"), _sds((32000, 4096), "bfloat16")), {})),
             Example("4x2048@50257x5120-f32", lambda k, d: ((_sds((4, 2048), "int32"), _sds((50257, 5120), "float32")), {"padding_idx": 0})),
