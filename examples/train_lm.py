@@ -242,7 +242,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfg = PRESETS[args.preset]
-    if args.steps:
+    if args.steps is not None:
+        if args.steps < 1:
+            p.error("--steps must be >= 1")
         cfg = dataclasses.replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
     impl = args.implementation
     if impl == "pallas" and jax.default_backend() != "gpu":
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
 
     train, held = load_data(args.data, args.max_bytes)
     rng = np.random.default_rng(cfg.seed)
-    train_it, eval_rng = batches(train, cfg, rng), np.random.default_rng(cfg.seed + 1)
+    train_it = batches(train, cfg, rng)
     x0, y0 = next(train_it)
 
     if args.check:
@@ -298,7 +300,7 @@ def main(argv=None) -> int:
             t_train += time.perf_counter() - t0
         history.append(loss)
         tps = tokens_per_step * max(step, 1) / max(t_train, 1e-9) if step else 0.0
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+        bar.set_postfix(bits_per_byte=f"{loss / math.log(2):.3f}", tok_s=f"{tps:,.0f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             ev = evaluate(params)
             evals.append({"step": step + 1, "loss": ev, "bits_per_byte": ev / math.log(2)})

@@ -18,7 +18,12 @@ from jaxbwd import config, registry
 
 @dataclasses.dataclass
 class CheckRow:
-    """One line of the report: max abs error and scaled relative error of one gradient."""
+    """One line of the report for one output or gradient.
+
+    ``max_abs`` is ``max|a - b|``; ``max_rel`` is ``max|a - b| / max(1, max|b|)``, the error
+    relative to the gradient's scale (an elementwise relative error is meaningless where
+    the true gradient is near zero).
+    """
 
     op: str
     implementation: str

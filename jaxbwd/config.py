@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 
@@ -42,21 +42,25 @@ def _env_interpret() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Settings:
-    implementation: Optional[str]
+    implementation: Optional[str]  # None: Pallas on GPU, XLA elsewhere
     interpret: bool
 
 
-_settings: contextvars.ContextVar[Optional[_Settings]] = contextvars.ContextVar(
-    "jaxbwd_settings", default=None
-)
+_UNSET = object()
+# The process-wide default (every thread sees it) and, on top, a per-context override
+# set by ``use`` (seen only by code traced inside the ``with`` block, in that thread).
+_default: Optional[_Settings] = None
+_override: contextvars.ContextVar[Optional[_Settings]] = contextvars.ContextVar("jaxbwd_override", default=None)
 
 
 def _current() -> _Settings:
-    s = _settings.get()
-    if s is None:
-        s = _Settings(_env_implementation(), _env_interpret())
-        _settings.set(s)
-    return s
+    global _default
+    s = _override.get()
+    if s is not None:
+        return s
+    if _default is None:
+        _default = _Settings(_env_implementation(), _env_interpret())
+    return _default
 
 
 def _check_implementation(implementation, where="implementation"):
@@ -66,42 +70,48 @@ def _check_implementation(implementation, where="implementation"):
         )
 
 
-def set_default(*, implementation: Optional[str] = None, interpret: Optional[bool] = None) -> None:
-    """Sets the process-wide defaults.
+def _merged(implementation, interpret) -> _Settings:
+    cur = _current()
+    if implementation is not _UNSET:
+        if implementation == "auto":
+            implementation = None
+        _check_implementation(implementation)
+    return _Settings(
+        cur.implementation if implementation is _UNSET else implementation,
+        cur.interpret if interpret is _UNSET else bool(interpret),
+    )
+
+
+def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET) -> None:
+    """Sets the process-wide defaults (seen by every thread); omitted arguments keep their value.
 
     Args:
-      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
-      interpret: run Pallas kernels in interpret mode (CPU); ``None`` leaves it unchanged.
+      implementation: ``"pallas"``, ``"xla"``, or ``None``/``"auto"`` for Pallas on GPU and
+        XLA elsewhere.
+      interpret: run Pallas kernels in interpret mode (CPU).
 
     Raises:
-      ValueError: ``implementation`` is not one of the three values.
+      ValueError: ``implementation`` is not one of those values.
     """
-    _check_implementation(implementation)
-    cur = _current()
-    _settings.set(_Settings(implementation, cur.interpret if interpret is None else bool(interpret)))
+    global _default
+    _default = _merged(implementation, interpret)
 
 
 @contextlib.contextmanager
-def use(*, implementation: Optional[str] = None, interpret: Optional[bool] = None) -> Iterator[None]:
-    """Context manager form of :func:`set_default`; restores the previous settings on exit.
+def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET) -> Iterator[None]:
+    """Context manager form of :func:`set_default`: overrides the settings inside the block
+    (for this thread and context) and restores them on exit; omitted arguments are inherited.
 
     Only tracing that happens inside the ``with`` block sees the new settings.
 
     Raises:
-      ValueError: ``implementation`` is not ``None``, ``"pallas"`` or ``"xla"``.
+      ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``.
     """
-    _check_implementation(implementation)
-    cur = _current()
-    token = _settings.set(
-        _Settings(
-            implementation if implementation is not None else cur.implementation,
-            cur.interpret if interpret is None else bool(interpret),
-        )
-    )
+    token = _override.set(_merged(implementation, interpret))
     try:
         yield
     finally:
-        _settings.reset(token)
+        _override.reset(token)
 
 
 def interpret() -> bool:

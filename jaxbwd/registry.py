@@ -288,7 +288,7 @@ _SPECS: list[OpSpec] = [
             Example("x".join(map(str, s)), lambda k, dt, s=s: ((_normal(k, s, dt), 0.5), {})) for s in ROW_SHAPES[:2]
         ),
         bad_inputs=(
-            BadInput("factor type", lambda: ((jnp.ones((4,)), "2"), {}), TypeError, r"factor must be a Python number, got '2'"),
+            BadInput("factor type", lambda: ((jnp.ones((4,)), "2"), {}), TypeError, r"factor must be a real Python number, got '2'"),
             BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32), 2.0), {}), TypeError, r"x must have a floating dtype"),
         ),
         residual_budget=lambda x, f, **_: 0,
@@ -330,7 +330,7 @@ _SPECS: list[OpSpec] = [
             BadInput("rank", lambda: ((jnp.ones((4,)), 0, 2), {}), ValueError, r"x must have rank 2"),
             BadInput("size", lambda: ((jnp.ones((4, 3)), 0, 5), {}), ValueError, r"size must be in \[0, 4\].*got 5"),
             BadInput("start", lambda: ((jnp.ones((4, 3)), 3, 2), {}), ValueError, r"start must be in \[0, 2\] for size=2, got 3"),
-            BadInput("float start", lambda: ((jnp.ones((4, 3)), jnp.float32(1.0), 2), {}), TypeError, r"start must have an integer dtype"),
+            BadInput("float start", lambda: ((jnp.ones((4, 3)), jnp.float32(1.0), 2), {}), TypeError, r"start must be a Python int or an integer scalar array"),
         ),
         residual_budget=lambda x, s, n, **_: 8,
     ),

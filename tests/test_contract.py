@@ -221,10 +221,14 @@ def test_bad_input_raises(spec, bad):
     assert spec.name in str(info.value)
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.residual_budget], ids=lambda s: s.name)
-def test_residuals_within_budget(spec):
+@pytest.mark.parametrize(
+    "spec,impl",
+    [pytest.param(s, i, id=f"{s.name}-{i}") for s in SPECS if s.residual_budget for i in IMPLS
+     if i == "xla" or s.has_kernels],
+)
+def test_residuals_within_budget(spec, impl):
     args, kwargs = _setup(spec, spec.examples[0], "float32")
-    f = _closure(spec.fn, spec, args, kwargs, "xla")
+    f = _closure(spec.fn, spec, args, kwargs, impl)
     _, vjp = jax.vjp(f, *[args[i] for i in spec.diff_argnums])
     saved = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype"))
     budget = spec.residual_budget(*args, **kwargs)

@@ -139,3 +139,20 @@ def test_cli_list_and_check_run():
     assert "rms_norm  pallas" in out.stdout and "FAIL" not in out.stdout
     bad = subprocess.run([sys.executable, "-m", "jaxbwd", "check", "--ops", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown op 'nope'" in bad.stderr
+
+
+def test_set_default_is_process_wide_and_keeps_unset_fields():
+    import threading
+
+    seen = {}
+    try:
+        config.set_default(implementation="pallas")
+        config.set_default(interpret=True)
+        assert config.default_implementation() == "pallas" and config.interpret()
+        t = threading.Thread(target=lambda: seen.update(impl=config.default_implementation(), interp=config.interpret()))
+        t.start()
+        t.join()
+        assert seen == {"impl": "pallas", "interp": True}
+    finally:
+        config.set_default(implementation="auto", interpret=True)
+    assert config.default_implementation() == "xla"  # auto on CPU

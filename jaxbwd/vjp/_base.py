@@ -6,6 +6,7 @@ trace time, before any kernel is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Sequence
 
 import jax
@@ -29,8 +30,22 @@ class Impl:
         return self.kind == "pallas"
 
 
-def impl(implementation: Optional[str], op: str) -> Impl:
-    return Impl(config.resolve(implementation, op), config.interpret())
+def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
+    """Resolves the implementation at trace time.
+
+    Empty inputs (any of ``arrays`` with a zero-size dimension) take the XLA formulas: their
+    outputs and gradients are empty, so there is no work for a kernel to do, and launching
+    one with an empty grid is not allowed.
+    """
+    kind = config.resolve(implementation, op)
+    if any(getattr(a, "size", 1) == 0 for a in arrays):
+        kind = "xla"
+    return Impl(kind, config.interpret())
+
+
+def check_nonempty_axis(op: str, name: str, x: Any, axis: int, what: str) -> None:
+    if x.shape[axis] == 0:
+        raise ValueError(f"jaxbwd.{op}: {name} must have a non-empty {what}, got shape {tuple(x.shape)}")
 
 
 def _dtype_name(x) -> str:
@@ -88,8 +103,8 @@ def check_positive(op: str, name: str, value: Any) -> None:
 def check_static_number(op: str, name: str, value: Any) -> float:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"jaxbwd.{op}: {name} must be a static Python number, got a traced value")
-    if not np.isscalar(value) or isinstance(value, (bool, np.bool_, str)):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a Python number, got {value!r}")
+    if not np.isscalar(value) or isinstance(value, (bool, np.bool_, str)) or np.iscomplexobj(value):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a real Python number, got {value!r}")
     return float(value)
 
 
@@ -103,7 +118,7 @@ def check_same_dtype(op: str, names: Sequence[str], arrays: Sequence[Any]) -> No
 def rows(x):
     """[..., D] -> [R, D] (free reshape) and the leading shape to restore."""
     lead = x.shape[:-1]
-    return x.reshape(-1, x.shape[-1]), lead
+    return x.reshape(math.prod(lead), x.shape[-1]), lead
 
 
 def acc_dtype(*xs):

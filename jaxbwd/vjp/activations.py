@@ -86,7 +86,7 @@ def silu(x, *, implementation=None):
     """
     op = "silu"
     B.check_float(op, "x", x)
-    return _silu(x, B.impl(implementation, op))
+    return _silu(x, B.impl(implementation, op, x))
 
 
 # -------------------------------------------------------------------------------- gelu
@@ -134,7 +134,7 @@ def gelu(x, *, approximate=True, implementation=None):
     B.check_float(op, "x", x)
     if not isinstance(approximate, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.gelu: approximate must be a Python bool, got {approximate!r}")
-    return _gelu(x, bool(approximate), B.impl(implementation, op))
+    return _gelu(x, bool(approximate), B.impl(implementation, op, x))
 
 
 # ------------------------------------------------------------------------------ swiglu
@@ -188,7 +188,7 @@ def swiglu(gate, up, *, limit=None, implementation=None):
     B.check_shape(op, "up", up, gate.shape, what="(gate's shape)")
     B.check_same_dtype(op, ("gate", "up"), (gate, up))
     limit = _check_limit(op, limit)
-    return _swiglu(gate, up, limit, B.impl(implementation, op))
+    return _swiglu(gate, up, limit, B.impl(implementation, op, gate))
 
 
 # --------------------------------------------------------------------------------- glu
@@ -256,7 +256,7 @@ def glu(x, *, activation="silu", limit=None, implementation=None):
     if activation not in kernels.ACTIVATIONS:
         raise ValueError(f"jaxbwd.glu: activation must be one of {kernels.ACTIVATIONS}, got {activation!r}")
     limit = _check_limit(op, limit)
-    return _glu(x, activation, limit, B.impl(implementation, op))
+    return _glu(x, activation, limit, B.impl(implementation, op, x))
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -322,4 +322,4 @@ def softmax(x, *, axis=-1, implementation=None):
         raise ValueError(
             f"jaxbwd.softmax: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"
         )
-    return _softmax(x, axis % x.ndim, B.impl(implementation, op))
+    return _softmax(x, axis % x.ndim, B.impl(implementation, op, x))

@@ -207,6 +207,7 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     Bsz, T, N, H = q.shape
     B.check_ndim(OP, "k", k, ndim=4, what="([B, S, K, H])")
     S, K = k.shape[1], k.shape[2]
+    B.check_nonempty_axis(OP, "k", k, 1, "key axis S")
     if k.shape[0] != Bsz or k.shape[3] != H:
         raise ValueError(
             f"jaxbwd.{OP}: k must have shape [B={Bsz}, S, K, H={H}] (q's batch and head dim), "
@@ -304,7 +305,7 @@ def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=N
     qseg, kseg, scale, causal, window, softcap = _check(
         q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     )
-    impl = B.impl(implementation, OP)
+    impl = B.impl(implementation, OP, q, k)
     if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
         raise ValueError(
             f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas kernels, "

@@ -98,6 +98,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     B.check_int(op, "ids", ids)
     B.check_float(op, "table", table)
     B.check_ndim(op, "table", table, ndim=2, what="([V, D])")
+    B.check_nonempty_axis(op, "table", table, 0, "vocabulary axis V")
     V = table.shape[0]
     if padding_idx is not None:
         if isinstance(padding_idx, jax.core.Tracer) or not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):
@@ -105,4 +106,4 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
         if not -V <= padding_idx < V:
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
         padding_idx = int(padding_idx) % V
-    return _embed(ids, table, padding_idx, B.impl(implementation, op))
+    return _embed(ids, table, padding_idx, B.impl(implementation, op, ids, table))

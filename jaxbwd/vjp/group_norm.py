@@ -8,6 +8,7 @@ the normalised x or the sigmoid. Backward: the Pallas kernel in
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ ACTIVATIONS = (None, "silu")
 def _grouped(x, G):
     """[N, ..., C] -> [N, S, G, Cg] (a free reshape)."""
     N, Cc = x.shape[0], x.shape[-1]
-    return x.reshape(N, -1, G, Cc // G)
+    return x.reshape(N, math.prod(x.shape[1:-1]), G, Cc // G)
 
 
 def _stats(x, G, eps):
@@ -140,4 +141,4 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
     B.check_positive(op, "eps", eps)
     if activation not in ACTIVATIONS:
         raise ValueError(f"jaxbwd.{op}: activation must be None or 'silu', got {activation!r}")
-    return _group_norm(x, weight, bias, num_groups, float(eps), activation == "silu", B.impl(implementation, op))
+    return _group_norm(x, weight, bias, num_groups, float(eps), activation == "silu", B.impl(implementation, op, x))

@@ -117,7 +117,7 @@ def bias_add(x, bias, *, implementation=None):
     B.check_float(op, "bias", bias)
     B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
     B.check_shape(op, "bias", bias, (x.shape[-1],), what=f"(x's last dimension D={x.shape[-1]})")
-    return _bias_add(x, bias, B.impl(implementation, op))
+    return _bias_add(x, bias, B.impl(implementation, op, x))
 
 
 # ------------------------------------------------------------------------------- scale

@@ -155,6 +155,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     op = "cross_entropy"
     B.check_float(op, "logits", logits)
     B.check_ndim(op, "logits", logits, min_ndim=1, what="([..., V])")
+    B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
     B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, logits.shape[:-1], what="(logits.shape[:-1])")
     if logits.shape[-1] < 1:
@@ -169,4 +170,4 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
         raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-    return _cross_entropy(logits, labels, int(ignore_index), eps, z, reduction, B.impl(implementation, op))
+    return _cross_entropy(logits, labels, int(ignore_index), eps, z, reduction, B.impl(implementation, op, logits))

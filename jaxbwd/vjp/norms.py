@@ -80,13 +80,12 @@ def _rms_norm_bwd(eps, offset, impl, res, dy):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def _check_norm_args(op, x, weight, bias, eps):
+def _check_norm_args(op, x, eps, **params):
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
+    B.check_nonempty_axis(op, "x", x, -1, "last axis")
     D = x.shape[-1]
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
+    for name, p in params.items():
         B.check_float(op, name, p)
         B.check_shape(op, name, p, (D,), what=f"(x's last dimension D={D})")
     B.check_positive(op, "eps", eps)
@@ -115,9 +114,9 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
     is ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy))``, ``dw = sum(dy * x_hat)``.
     """
     op = "rms_norm"
-    _check_norm_args(op, x, weight, None, eps)
+    _check_norm_args(op, x, eps, weight=weight)
     offset = B.check_static_number(op, "weight_offset", weight_offset)
-    return _rms_norm(x, weight, float(eps), offset, B.impl(implementation, op))
+    return _rms_norm(x, weight, float(eps), offset, B.impl(implementation, op, x))
 
 
 # -------------------------------------------------------------------------- layer_norm
@@ -168,5 +167,5 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     ``db = sum(dy)``.
     """
     op = "layer_norm"
-    _check_norm_args(op, x, weight, bias, eps)
-    return _layer_norm(x, weight, bias, float(eps), B.impl(implementation, op))
+    _check_norm_args(op, x, eps, weight=weight, bias=bias)
+    return _layer_norm(x, weight, bias, float(eps), B.impl(implementation, op, x))

@@ -100,6 +100,8 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, im
     B.check_positive(op, "theta", theta)
     if not isinstance(interleaved, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{op}: interleaved must be a static bool, got {interleaved!r}")
+    if positions is not None and (not _is_static_int(start_pos) or start_pos != 0):
+        raise ValueError(f"jaxbwd.{op}: give positions or start_pos, not both (got positions and start_pos={start_pos!r})")
     if positions is None:
         if _is_static_int(start_pos):
             start = jnp.int32(start_pos)
@@ -118,4 +120,4 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, im
             )
         pos = positions.astype(jnp.int32)
     pos = jnp.broadcast_to(pos, (Bsz, T))
-    return _rope(x, pos, float(theta), bool(interleaved), B.impl(implementation, op))
+    return _rope(x, pos, float(theta), bool(interleaved), B.impl(implementation, op, x))

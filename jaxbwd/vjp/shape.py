@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbwd.vjp import _base as B
 
@@ -39,10 +40,10 @@ def reshape(x, shape, *, implementation=None):
     """
     op = "reshape"
     B.check_float(op, "x", x)
-    try:
-        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    except TypeError:
-        raise TypeError(f"jaxbwd.reshape: shape must be a tuple of ints, got {shape!r}") from None
+    dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in dims):
+        raise TypeError(f"jaxbwd.reshape: shape must be a tuple of ints, got {shape!r}")
+    shape = tuple(int(s) for s in dims)
     n_neg = sum(s == -1 for s in shape)
     known = math.prod(s for s in shape if s != -1)
     if n_neg > 1 or any(s < -1 for s in shape):
@@ -104,13 +105,14 @@ def row_slice(x, start, size, *, implementation=None):
     R = x.shape[0]
     if not 0 <= size <= R:
         raise ValueError(f"jaxbwd.row_slice: size must be in [0, {R}] (x has {R} rows), got {size}")
-    if isinstance(start, int) and not isinstance(start, bool):
-        if not 0 <= start <= R - size:
-            raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {start}")
-        start = jnp.asarray(start, jnp.int32)
-    else:
-        B.check_int(op, "start", start)
-        if jnp.ndim(start) != 0:
-            raise ValueError(f"jaxbwd.row_slice: start must be a scalar, got shape {tuple(jnp.shape(start))}")
+    if not (isinstance(start, (int, np.integer)) or hasattr(start, "dtype")) or isinstance(start, (bool, np.bool_)) \
+            or not jnp.issubdtype(jnp.result_type(start), jnp.integer):
+        raise TypeError(f"jaxbwd.row_slice: start must be a Python int or an integer scalar array, got {start!r}")
+    if jnp.ndim(start) != 0:
+        raise ValueError(f"jaxbwd.row_slice: start must be a scalar, got shape {tuple(jnp.shape(start))}")
+    if not isinstance(start, jax.core.Tracer):  # a concrete start is checked, a traced one clamps
+        if not 0 <= int(start) <= R - size:
+            raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {int(start)}")
+    start = jnp.asarray(start, jnp.int32)
     B.impl(implementation, op)
     return _row_slice(x, start, size)

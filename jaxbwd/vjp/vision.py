@@ -127,7 +127,7 @@ def upsample2d(x, scale, *, method="nearest", implementation=None):
     sh, sw = _int_pair(op, "scale", scale)
     if method not in UPSAMPLE_METHODS:
         raise ValueError(f"jaxbwd.{op}: method must be 'nearest' or 'bilinear', got {method!r}")
-    return _upsample2d(x, sh, sw, method == "bilinear", B.impl(implementation, op))
+    return _upsample2d(x, sh, sw, method == "bilinear", B.impl(implementation, op, x))
 
 
 # --------------------------------------------------------------------- pixel_shuffle
@@ -188,7 +188,7 @@ def pixel_shuffle(x, upscale_factor, *, implementation=None):
         raise ValueError(
             f"jaxbwd.{op}: x's channel count must be divisible by upscale_factor**2={r * r}, got {x.shape[-1]}"
         )
-    return _pixel_shuffle(x, r, B.impl(implementation, op))
+    return _pixel_shuffle(x, r, B.impl(implementation, op, x))
 
 
 # ------------------------------------------------------------------------ unpatchify
@@ -257,7 +257,7 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
         raise ValueError(
             f"jaxbwd.{op}: tokens.shape[2] must equal patch_size**2 * channels={p * p * Cc}, got {tokens.shape[2]}"
         )
-    return _unpatchify_op(tokens, gh, gw, p, Cc, B.impl(implementation, op))
+    return _unpatchify_op(tokens, gh, gw, p, Cc, B.impl(implementation, op, tokens))
 
 
 
@@ -388,4 +388,4 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
             f"got {(H + pt + pb, W + pl + pr)}"
         )
     geo = conv_kernels.ConvGeometry(N, H, W, Cin, Ho, Wo, Cout, KH, KW, sh, sw, dh, dw, pt, pl, G, pb, pr)
-    return _conv2d(x, w, geo, B.impl(implementation, op))
+    return _conv2d(x, w, geo, B.impl(implementation, op, x, w))

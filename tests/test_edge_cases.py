@@ -1,0 +1,71 @@
+"""Empty inputs and other edge cases every op must survive, for both implementations."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbwd
+
+f32, i32 = jnp.float32, jnp.int32
+
+# (name, fn(*diff), diff args): an empty batch / row count, the reduced axis non-empty.
+EMPTY = [
+    ("rms_norm", lambda x, w, impl: jaxbwd.rms_norm(x, w, implementation=impl), (jnp.ones((0, 8)), jnp.ones((8,)))),
+    ("layer_norm", lambda x, w, impl: jaxbwd.layer_norm(x, w, w, implementation=impl), (jnp.ones((2, 0, 8)), jnp.ones((8,)))),
+    ("group_norm", lambda x, w, impl: jaxbwd.group_norm(x, w, w, num_groups=2, implementation=impl), (jnp.ones((0, 4, 4, 8)), jnp.ones((8,)))),
+    ("softmax", lambda x, impl: jaxbwd.softmax(x, implementation=impl), (jnp.ones((0, 5)),)),
+    ("silu", lambda x, impl: jaxbwd.silu(x, implementation=impl), (jnp.ones((0,)),)),
+    ("gelu", lambda x, impl: jaxbwd.gelu(x, implementation=impl), (jnp.ones((3, 0)),)),
+    ("swiglu", lambda g, u, impl: jaxbwd.swiglu(g, u, implementation=impl), (jnp.ones((0, 4)), jnp.ones((0, 4)))),
+    ("glu", lambda x, impl: jaxbwd.glu(x, implementation=impl), (jnp.ones((0, 4)),)),
+    ("bias_add", lambda x, b, impl: jaxbwd.bias_add(x, b, implementation=impl), (jnp.ones((0, 4)), jnp.ones((4,)))),
+    ("cross_entropy", lambda x, impl: jaxbwd.cross_entropy(x, jnp.zeros((0,), i32), reduction="sum", implementation=impl), (jnp.ones((0, 10)),)),
+    ("embed", lambda t, impl: jaxbwd.embed(jnp.zeros((0,), i32), t, implementation=impl), (jnp.ones((16, 8)),)),
+    ("rope", lambda x, impl: jaxbwd.rope(x, implementation=impl), (jnp.ones((1, 0, 2, 8)),)),
+    ("dot_product_attention/B=0", lambda q, impl: jaxbwd.dot_product_attention(q, q, q, implementation=impl), (jnp.ones((0, 4, 2, 16)),)),
+    ("dot_product_attention/T=0", lambda q, k, impl: jaxbwd.dot_product_attention(q, k, k, implementation=impl), (jnp.ones((1, 0, 2, 16)), jnp.ones((1, 5, 2, 16)))),
+    ("pixel_shuffle", lambda x, impl: jaxbwd.pixel_shuffle(x, 2, implementation=impl), (jnp.ones((0, 3, 3, 8)),)),
+    ("upsample2d", lambda x, impl: jaxbwd.upsample2d(x, 2, implementation=impl), (jnp.ones((0, 3, 3, 2)),)),
+    ("conv2d", lambda x, w, impl: jaxbwd.conv2d(x, w, padding=1, implementation=impl), (jnp.ones((0, 5, 5, 2)), jnp.ones((3, 3, 2, 4)))),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("name,fn,args", EMPTY, ids=[e[0] for e in EMPTY])
+def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
+    f = lambda *a: fn(*a, impl)
+    out = f(*args)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(f32)), argnums=tuple(range(len(args))))(*args)
+    for g, a in zip(grads, args):
+        assert g.shape == a.shape
+        assert float(jnp.sum(jnp.abs(g))) == 0.0
+    assert bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: jaxbwd.rms_norm(jnp.ones((4, 0)), jnp.ones((0,))), ValueError, r"rms_norm: x must have a non-empty last axis"),
+        (lambda: jaxbwd.layer_norm(jnp.ones((4, 0)), jnp.ones((0,)), jnp.ones((0,))), ValueError, r"layer_norm: x must have a non-empty last axis"),
+        (lambda: jaxbwd.layer_norm(jnp.ones((4, 8)), jnp.ones((8,)), None), TypeError, r"layer_norm: bias must be an array, got NoneType"),
+        (lambda: jaxbwd.layer_norm(jnp.ones((4, 8)), None, jnp.ones((8,))), TypeError, r"layer_norm: weight must be an array, got NoneType"),
+        (lambda: jaxbwd.scale(jnp.ones(3), 1j), TypeError, r"scale: factor must be a real Python number"),
+        (lambda: jaxbwd.reshape(jnp.ones((4, 8)), (4.0, 8)), TypeError, r"reshape: shape must be a tuple of ints"),
+        (lambda: jaxbwd.row_slice(jnp.ones((4, 3)), 1.5, 2), TypeError, r"row_slice: start must be a Python int or an integer scalar array"),
+        (lambda: jaxbwd.rope(jnp.ones((1, 4, 2, 8)), positions=jnp.arange(4), start_pos=3), ValueError, r"rope: give positions or start_pos, not both"),
+        (lambda: jaxbwd.cross_entropy(jnp.ones((4, 0)), jnp.zeros((4,), i32)), ValueError, r"cross_entropy: logits must have a non-empty"),
+        (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((0, 8))), ValueError, r"embed: table must have a non-empty"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 0, 2, 8)), jnp.ones((1, 0, 2, 8))), ValueError, r"dot_product_attention: k must have a non-empty"),
+    ],
+)
+def test_invalid_edge_inputs_raise(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_row_slice_concrete_array_start_is_range_checked():
+    with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
+        jaxbwd.row_slice(jnp.ones((4, 3)), jnp.int32(3), 2)
+    np.testing.assert_array_equal(jaxbwd.row_slice(jnp.arange(12.0).reshape(4, 3), np.int64(1), 2), np.arange(3.0, 9.0).reshape(2, 3))
