@@ -15,10 +15,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
   python -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())'
   echo "== tests marked gpu"
-  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -n 40
+  timeout 180 python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -n 40
   echo "== python -m jaxbwd check"
-  timeout 90 python -m jaxbwd check 2>&1 | tail -n 80
+  timeout 60 python -m jaxbwd check 2>&1 | tail -n 80
+  echo "== bench/attention.py (vs autodiff and cuDNN)"
+  timeout 120 python bench/attention.py --json "$out/attention.json" 2>&1
   echo "== python -m jaxbwd bench --size llm"
-  timeout 180 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
+  timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
 } 2>&1 | tee "$log"
 echo "wrote $out"
