@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -23,16 +22,7 @@ import jax.numpy as jnp
 
 import jaxbwd
 from jaxbwd import reference
-
-
-def _time(f, *args, repeats=10):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from jaxbwd.bench import median_time
 
 
 def _residual_bytes(f, *args):
@@ -65,7 +55,7 @@ def main(argv=None) -> int:
         for name, f in impls.items():
             step = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
             try:
-                t = _time(step, q, k, v, do, repeats=args.repeats)
+                t = median_time(step, q, k, v, do, repeats=args.repeats, warmup=1)
             except Exception as e:  # e.g. cuDNN missing or out of memory at 8k for autodiff
                 rows.append({"T": T, "impl": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 print(f"T={T:5d} {name:9s} failed: {type(e).__name__}")

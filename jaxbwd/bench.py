@@ -63,6 +63,12 @@ def _materialise(args, key):
 
 
 def bench_inputs(spec: registry.OpSpec, size: str, key):
+    """Concrete ``(args, kwargs)`` for ``spec`` at ``size`` ("small" or "llm").
+
+    The registry's ``bench`` entry for that size when present (bf16); otherwise "llm"
+    materialises the first lowering shape (normal floats, zero integers) and "small" uses the
+    first test example in float32.
+    """
     for name, ex in spec.bench:
         if name == size:
             args, kwargs = ex.make(key, jnp.dtype("bfloat16"))
@@ -74,7 +80,9 @@ def bench_inputs(spec: registry.OpSpec, size: str, key):
     return list(args), kwargs
 
 
-def _time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
+    """Median wall time in seconds of ``fn(*args)`` over ``repeats`` runs after ``warmup``
+    runs, each ended by ``jax.block_until_ready``."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     ts = []
@@ -93,7 +101,7 @@ def copy_bandwidth(n_bytes: int = 256 << 20) -> float:
     """Device copy bandwidth in GB/s (read + write of an ``n_bytes`` f32 buffer)."""
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x * 1.0001)
-    return 2 * n_bytes / _time(f, x) / 1e9
+    return 2 * n_bytes / median_time(f, x) / 1e9
 
 
 def _temp_bytes(fn, *args) -> Optional[int]:
@@ -122,8 +130,8 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
         return g
 
     step_ours, step_ref = jax.jit(fwd_bwd(ours)), jax.jit(fwd_bwd(theirs))
-    t_ours = _time(step_ours, ct, *diff, repeats=repeats)
-    t_ref = _time(step_ref, ct, *diff, repeats=repeats)
+    t_ours = median_time(step_ours, ct, *diff, repeats=repeats)
+    t_ref = median_time(step_ref, ct, *diff, repeats=repeats)
     moved = _nbytes(args) + 2 * _nbytes(ct) + _nbytes(diff)
     flops = spec.flops(*args, **kwargs) if spec.flops else None
     res_ours = _nbytes(jax.vjp(ours, *diff)[1])
@@ -173,6 +181,7 @@ def _mib(n):
 
 
 def format_table(report: dict[str, Any]) -> str:
+    """The report of :func:`run` as a fixed-width text table with a title line."""
     head = ("op", "impl", "ms", "autodiff ms", "speedup", "GB/s", "of copy", "TFLOP/s",
             "resid MiB", "autodiff resid MiB", "temp MiB", "autodiff temp MiB")
     rows = [

@@ -22,7 +22,7 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0):
 
 
 def layer_norm(x, weight, bias, *, eps=1e-5):
-    """Reference LayerNorm (Ba et al. 2016)."""
+    """Reference LayerNorm (Ba et al. 2016): x [..., D], weight and bias [D] -> x's shape and dtype."""
     xf = _f32(x)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
@@ -40,7 +40,7 @@ def softmax(x, *, axis=-1):
 
 
 def silu(x):
-    """Reference SiLU / swish: x * sigmoid(x)."""
+    """Reference SiLU / swish, ``x * sigmoid(x)``: any shape, x's dtype (Elfwing et al. 2017)."""
     return (_f32(x) * jax.nn.sigmoid(_f32(x))).astype(x.dtype)
 
 
@@ -84,17 +84,17 @@ def matmul(x, w):
 
 
 def scale(x, factor):
-    """Reference scaling by a static factor."""
+    """Reference scaling ``x * factor`` by a static Python number: x's shape and dtype."""
     return (x * factor).astype(x.dtype)
 
 
 def residual_add(a, b):
-    """Reference broadcasting addition."""
+    """Reference ``a + b`` with NumPy broadcasting; result in ``result_type(a, b)``."""
     return a + b
 
 
 def reshape(x, shape):
-    """Reference reshape."""
+    """Reference reshape of x to ``shape`` (one -1 allowed); same dtype."""
     return x.reshape(shape)
 
 

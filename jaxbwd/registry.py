@@ -46,6 +46,9 @@ class BadInput:
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
+    """The registry entry of one op (see the module docstring); ``bind`` fixes its
+    non-differentiable arguments for tests, benchmarks and the CLI."""
+
     name: str
     family: str
     fn: Callable[..., Any]

@@ -44,6 +44,11 @@ DW_BLOCK_CH = 128  # depthwise channel tile
 
 @dataclasses.dataclass(frozen=True)
 class ConvGeometry:
+    """Static shape of one convolution: x [N, H, W, Cin], w [KH, KW, Cin/groups, Cout],
+    y [N, Ho, Wo, Cout], strides (sh, sw), dilations (dh, dw), top/left padding (pt, pl).
+
+    Hashable, so it can be a static argument of the custom_vjp and of the kernels."""
+
     N: int
     H: int
     W: int
