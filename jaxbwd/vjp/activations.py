@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxbwd.pallas import activations as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 
 def _cf(x):
@@ -86,7 +87,8 @@ def silu(x, *, implementation=None):
     """
     op = "silu"
     B.check_float(op, "x", x)
-    return _silu(x, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("...->...", lambda x: _silu(x, impl), x)
 
 
 # -------------------------------------------------------------------------------- gelu
@@ -134,7 +136,8 @@ def gelu(x, *, approximate=True, implementation=None):
     B.check_float(op, "x", x)
     if not isinstance(approximate, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.gelu: approximate must be a Python bool, got {approximate!r}")
-    return _gelu(x, bool(approximate), B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("...->...", lambda x: _gelu(x, bool(approximate), impl), x)
 
 
 # ------------------------------------------------------------------------------ swiglu
@@ -188,7 +191,8 @@ def swiglu(gate, up, *, limit=None, implementation=None):
     B.check_shape(op, "up", up, gate.shape, what="(gate's shape)")
     B.check_same_dtype(op, ("gate", "up"), (gate, up))
     limit = _check_limit(op, limit)
-    return _swiglu(gate, up, limit, B.impl(implementation, op, gate))
+    impl = B.impl(implementation, op, gate)
+    return S.partitioned("...,...->...", lambda g, u: _swiglu(g, u, limit, impl), gate, up)
 
 
 # --------------------------------------------------------------------------------- glu
@@ -256,7 +260,8 @@ def glu(x, *, activation="silu", limit=None, implementation=None):
     if activation not in kernels.ACTIVATIONS:
         raise ValueError(f"jaxbwd.glu: activation must be one of {kernels.ACTIVATIONS}, got {activation!r}")
     limit = _check_limit(op, limit)
-    return _glu(x, activation, limit, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)  # gate and up are halves of the last axis: keep it whole
+    return S.partitioned("...D->...D", lambda x: _glu(x, activation, limit, impl), x)
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -322,4 +327,6 @@ def softmax(x, *, axis=-1, implementation=None):
         raise ValueError(
             f"jaxbwd.softmax: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"
         )
-    return _softmax(x, axis % x.ndim, B.impl(implementation, op, x))
+    impl, axis = B.impl(implementation, op, x), axis % x.ndim
+    sig = "".join("A" if i == axis else "abcdefghijklmnopqrstuvwxyz"[i] for i in range(x.ndim))
+    return S.partitioned(f"{sig}->{sig}", lambda x: _softmax(x, axis, impl), x)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxbwd.pallas import attention as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 OP = "dot_product_attention"
 # Keys per step of the XLA path: the scan holds [B, N, T, XLA_BLOCK] logits at a time.
@@ -312,4 +313,4 @@ def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=N
             f"got H={q.shape[-1]} (use implementation='xla')"
         )
     cfg = _Cfg(scale, causal, window, softcap, qseg is not None, impl)
-    return _attention(q, k, v, qseg, kseg, cfg)
+    return S.partitioned("bTnH,bSnH,bSnH,bT,bS->bTnH", lambda *a: _attention(*a, cfg), q, k, v, qseg, kseg)

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxbwd.pallas import linear as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 
 # ------------------------------------------------------------------------------ matmul
@@ -117,7 +118,8 @@ def bias_add(x, bias, *, implementation=None):
     B.check_float(op, "bias", bias)
     B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
     B.check_shape(op, "bias", bias, (x.shape[-1],), what=f"(x's last dimension D={x.shape[-1]})")
-    return _bias_add(x, bias, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("...d,d->...d", lambda x, b: _bias_add(x, b, impl), x, bias)
 
 
 # ------------------------------------------------------------------------------- scale

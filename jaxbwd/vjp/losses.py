@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxbwd.pallas import losses as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -170,4 +171,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
         raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-    return _cross_entropy(logits, labels, int(ignore_index), eps, z, reduction, B.impl(implementation, op, logits))
+    impl, sig = B.impl(implementation, op, logits), "...V,...->..."
+    run = lambda red: (lambda x, y: _cross_entropy(x, y, int(ignore_index), eps, z, red, impl))  # noqa: E731
+    if reduction == "none" or S.plan(sig, logits, labels) is None:
+        return S.partitioned(sig, run(reduction), logits, labels)
+    # Sharded rows: per-row losses on each shard, then the global sum/mean (an all-reduce).
+    loss = S.partitioned(sig, run("none"), logits, labels).astype(B.acc_dtype(logits))
+    return _reduce(loss, _valid_labels(labels, logits.shape[-1], int(ignore_index)), (), reduction, logits.dtype)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxbwd.pallas import norms as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 
 def _stats(x2, eps, centered):
@@ -116,7 +117,8 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
     op = "rms_norm"
     _check_norm_args(op, x, eps, weight=weight)
     offset = B.check_static_number(op, "weight_offset", weight_offset)
-    return _rms_norm(x, weight, float(eps), offset, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("...D,D->...D", lambda x, w: _rms_norm(x, w, float(eps), offset, impl), x, weight)
 
 
 # -------------------------------------------------------------------------- layer_norm
@@ -168,4 +170,5 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     """
     op = "layer_norm"
     _check_norm_args(op, x, eps, weight=weight, bias=bias)
-    return _layer_norm(x, weight, bias, float(eps), B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("...D,D,D->...D", lambda x, w, b: _layer_norm(x, w, b, float(eps), impl), x, weight, bias)

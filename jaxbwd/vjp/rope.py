@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxbwd.pallas import rope as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 
 def _rotate(x, pos, theta, interleaved, sign):
@@ -120,4 +121,5 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, im
             )
         pos = positions.astype(jnp.int32)
     pos = jnp.broadcast_to(pos, (Bsz, T))
-    return _rope(x, pos, float(theta), bool(interleaved), B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("bTnH,bT->bTnH", lambda x, p: _rope(x, p, float(theta), bool(interleaved), impl), x, pos)

@@ -1,0 +1,158 @@
+"""Ops partition under jit on an explicit-sharding mesh (jaxbwd/sharding.py).
+
+The checks need 8 devices, so they run in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (this file, run as a script), and
+the rest of the suite keeps one device. For each mesh shape, each op (both
+implementations, Pallas in interpret mode) is run under ``jax.jit`` with sharded inputs
+on a ``jax.set_mesh`` explicit mesh; its value and grads must equal the single-device
+run, and the compiled HLO must hold no all-gather (activations are never gathered: the
+only collective is the all-reduce of weight-gradient partials and of loss sums).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+MESHES = {"8": (8,), "4x2": (4, 2), "2x4": (2, 4)}
+
+
+def _cases(jnp, jax, P, ndim_mesh):
+    """(name, fn(*args) -> array, args, specs, kind): kind False (data parallel), True
+    (tensor parallel) or "gather" (a layout the op cannot split: an all-gather is expected)."""
+    import jaxbwd
+
+    k = iter(jax.random.split(jax.random.key(0), 64))
+    r = lambda *s: jax.random.normal(next(k), s, jnp.float32)  # noqa: E731
+    dp = ("data", "model") if ndim_mesh == 2 else "data"  # rows over the whole mesh
+    labels = jax.random.randint(next(k), (8, 4), 0, 64).at[0, 1].set(-100)
+    x, w, b = r(8, 4, 32), r(32), r(32)
+    q, kk, v = r(8, 8, 8, 16), r(8, 8, 4, 16), r(8, 8, 4, 16)
+    rows, rows4 = P(dp, None, None), P(dp, None, None, None)
+    cases = [
+        ("rms_norm", lambda x, w: jaxbwd.rms_norm(x, w), (x, w), (rows, P())),
+        ("layer_norm", lambda x, w, b: jaxbwd.layer_norm(x, w, b), (x, w, b), (rows, P(), P())),
+        ("softmax", lambda x: jaxbwd.softmax(x), (x,), (rows,)),
+        ("silu", lambda x: jaxbwd.silu(x), (x,), (rows,)),
+        ("gelu", lambda x: jaxbwd.gelu(x), (x,), (rows,)),
+        ("swiglu", lambda g, u: jaxbwd.swiglu(g, u), (x, r(8, 4, 32)), (rows, rows)),
+        ("glu", lambda x: jaxbwd.glu(x), (r(8, 4, 64),), (rows,)),
+        ("bias_add", lambda x, b: jaxbwd.bias_add(x, b), (x, b), (rows, P())),
+        ("cross_entropy", lambda l, y: jaxbwd.cross_entropy(l, y), (r(8, 4, 64), labels), (rows, P(dp, None))),
+        ("cross_entropy_none", lambda l, y: jaxbwd.cross_entropy(l, y, reduction="none"),
+         (r(8, 4, 64), labels), (rows, P(dp, None))),
+        ("rope", lambda x: jaxbwd.rope(x), (q,), (rows4,)),
+        ("attention", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
+         (q, kk, v), (rows4,) * 3),
+        ("attention_segments", lambda q, k, v, seg: jaxbwd.dot_product_attention(
+            q, k, v, segment_ids=seg, sliding_window=4, is_causal=True),
+         (q, kk, v, jnp.repeat(jnp.arange(2, dtype=jnp.int32), 4)[None].repeat(8, 0)), (rows4,) * 3 + (P(dp, None),)),
+        ("rope_positions", lambda x, pos: jaxbwd.rope(x, positions=pos), (q, jnp.arange(64, dtype=jnp.int32).reshape(8, 8)),
+         (rows4, P(dp, None))),
+    ]
+    cases = [c + (False,) for c in cases]
+    if ndim_mesh == 2:  # tensor parallel: batch over "data", heads / hidden over "model"
+        hid, heads = P("data", None, "model"), P("data", None, "model", None)
+        cases += [
+            ("swiglu_tp", lambda g, u: jaxbwd.swiglu(g, u), (x, r(8, 4, 32)), (hid, hid), True),
+            ("silu_tp", lambda x: jaxbwd.silu(x), (x,), (hid,), True),
+            ("bias_add_tp", lambda x, b: jaxbwd.bias_add(x, b), (x, b), (hid, P("model")), True),
+            ("rope_tp", lambda x: jaxbwd.rope(x), (q,), (heads,), True),
+            ("attention_tp", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
+             (q, kk, v), (heads,) * 3, True),
+            # vmap over an extra leading axis of an op under the mesh
+            ("vmap_rms_norm", jax.vmap(lambda x, w: jaxbwd.rms_norm(x, w), in_axes=(0, None)),
+             (r(2, 8, 4, 32), w), (P(None, "data", None, None), P()), True),
+        ]
+        # layouts an op cannot split: that dimension is gathered, the rest stays sharded
+        cases += [
+            ("rms_norm_hidden_sharded", lambda x, w: jaxbwd.rms_norm(x, w), (x, w),
+             (P("data", None, "model"), P("model")), "gather"),
+            ("softmax_axis_sharded", lambda x: jaxbwd.softmax(x, axis=1), (x,), (P("data", "model", None),), "gather"),
+            ("attention_seq_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
+             (q, kk, v), (P("data", "model", None, None),) * 3, "gather"),
+            ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
+             (q, r(8, 8, 1, 16), r(8, 8, 1, 16)), (heads, P("data"), P("data")), "gather"),
+        ]
+    return cases
+
+
+def _worker(mesh_name):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import jaxbwd
+
+    shape = MESHES[mesh_name]
+    names = ("data", "model")[: len(shape)]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+    results = []
+    for implementation in ("xla", "pallas"):
+        with jaxbwd.config.use(implementation=implementation, interpret=True):
+            for name, fn, args, specs, _tp in _cases(jnp, jax, P, len(shape)):
+                diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+                def loss(*a, fn=fn, diff=diff):
+                    y = fn(*a)
+                    return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+
+                f = jax.jit(jax.value_and_grad(loss, argnums=diff, has_aux=True))
+                (want_l, want_y), want_g = f(*args)
+                with jax.set_mesh(mesh):
+                    sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+                    (got_l, got_y), got_g = f(*sharded)
+                    hlo = f.lower(*sharded).compile().as_text()
+                err = max(
+                    float(np.max(np.abs(np.asarray(g) - np.asarray(w)) / (1.0 + np.abs(np.asarray(w)))))
+                    for g, w in zip((got_l, got_y) + tuple(got_g), (want_l, want_y) + tuple(want_g))
+                )
+                results.append({
+                    "impl": implementation, "op": name, "err": err, "gather_ok": _tp == "gather",
+                    "all_gather": "all-gather" in hlo, "y_spec": str(got_y.sharding.spec),
+                })
+    print("RESULTS " + json.dumps(results))
+
+
+def _run(mesh_name):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), mesh_name], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")][-1]
+    return json.loads(line[len("RESULTS "):])
+
+
+def _requirements():
+    import jax
+
+    missing = [n for n in ("set_mesh", "shard_map", "typeof") if not hasattr(jax, n)]
+    if not hasattr(jax.sharding, "AxisType") or not hasattr(jax.sharding, "reshard"):
+        missing.append("sharding.AxisType/reshard")
+    return missing
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_ops_partition_without_gathering(mesh_name):
+    missing = _requirements()
+    if missing:
+        pytest.skip(f"explicit sharding needs jax.{', jax.'.join(missing)}, absent in jax here")
+    results = _run(mesh_name)
+    assert len(results) >= 24
+    bad = [r for r in results if r["err"] > 1e-5]  # |got - want| <= 1e-5 * (1 + |want|)
+    assert not bad, f"sharded run differs from the single-device run: {bad}"
+    gathered = [r for r in results if r["all_gather"] and not r["gather_ok"]]
+    assert not gathered, f"compiled HLO gathers activations: {gathered}"
+    unsharded = [r for r in results if r["op"] != "cross_entropy" and "data" not in r["y_spec"]]
+    assert not unsharded, f"outputs lost their sharding: {unsharded}"
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
