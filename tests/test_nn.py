@@ -78,6 +78,9 @@ def test_nnx_modules_match_flax(impl):
         (jnnx.Linear(24, 7, rngs=nnx.Rngs(0), implementation=impl), nnx.Linear(24, 7, rngs=nnx.Rngs(0)), X),
         (jnnx.Embed(50, 12, rngs=nnx.Rngs(0), implementation=impl), nnx.Embed(50, 12, rngs=nnx.Rngs(0)),
          jnp.array([[1, 4, 49], [0, 0, 7]])),
+        (jnnx.GroupNorm(8, num_groups=4, rngs=nnx.Rngs(0), implementation=impl),
+         nnx.GroupNorm(8, num_groups=4, rngs=nnx.Rngs(0)), IMG),
+        (jnnx.Conv(8, 6, (3, 3), rngs=nnx.Rngs(0), implementation=impl), nnx.Conv(8, 6, (3, 3), rngs=nnx.Rngs(0)), IMG),
     ]
     for ours, theirs, inputs in pairs:
         chex.assert_trees_all_close(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param))
@@ -85,3 +88,23 @@ def test_nnx_modules_match_flax(impl):
         g1 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(inputs))))(ours)
         g2 = nnx.grad(lambda m: jnp.sum(jnp.sin(m(inputs))))(theirs)
         chex.assert_trees_all_close(nnx.state(g1, nnx.Param), nnx.state(g2, nnx.Param), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_nnx_composite_modules_run_under_grad(impl):
+    from flax import nnx
+
+    import jaxbwd.nn.nnx as jnnx
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 12, 32))
+    img = jax.random.normal(jax.random.PRNGKey(1), (1, 4, 4, 8))
+    mods = [
+        (jnnx.Attention(32, 4, 2, 8, implementation=impl, rngs=nnx.Rngs(0)), x, x.shape),
+        (jnnx.SwiGLUMLP(32, 48, implementation=impl, rngs=nnx.Rngs(0)), x, x.shape),
+        (jnnx.PixelShuffle(2, implementation=impl), img, (1, 8, 8, 2)),
+        (jnnx.Upsample(2, method="bilinear", implementation=impl), img, (1, 8, 8, 8)),
+    ]
+    for m, inp, shape in mods:
+        assert m(inp).shape == shape
+        g = nnx.grad(lambda m, inp: jnp.sum(m(inp) ** 2), argnums=1)(m, inp)
+        assert g.shape == inp.shape and bool(jnp.all(jnp.isfinite(g)))
