@@ -50,6 +50,9 @@ def _cases(jnp, jax, P, ndim_mesh):
         ("attention_segments", lambda q, k, v, seg: jaxbwd.dot_product_attention(
             q, k, v, segment_ids=seg, sliding_window=4, is_causal=True),
          (q, kk, v, jnp.repeat(jnp.arange(2, dtype=jnp.int32), 4)[None].repeat(8, 0)), (rows4,) * 3 + (P(dp, None),)),
+        ("embed", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)), (P(), P(dp, None))),
+        ("group_norm_silu", lambda x, w, b: jaxbwd.group_norm(x, w, b, num_groups=4, activation="silu"),
+         (r(8, 3, 5, 8), r(8), r(8)), (rows4, P(), P())),
         ("rope_positions", lambda x, pos: jaxbwd.rope(x, positions=pos), (q, jnp.arange(64, dtype=jnp.int32).reshape(8, 8)),
          (rows4, P(dp, None))),
     ]

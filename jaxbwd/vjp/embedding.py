@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxbwd.pallas import embedding as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 
 def _keys(ids, V, padding_idx):
@@ -106,4 +107,5 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
         if not -V <= padding_idx < V:
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
         padding_idx = int(padding_idx) % V
-    return _embed(ids, table, padding_idx, B.impl(implementation, op, ids, table))
+    impl = B.impl(implementation, op, ids, table)
+    return S.partitioned("...,VD->...D", lambda i, t: _embed(i, t, padding_idx, impl), ids, table)
