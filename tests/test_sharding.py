@@ -53,6 +53,10 @@ def _cases(jnp, jax, P, ndim_mesh):
         ("embed", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)), (P(), P(dp, None))),
         ("group_norm_silu", lambda x, w, b: jaxbwd.group_norm(x, w, b, num_groups=4, activation="silu"),
          (r(8, 3, 5, 8), r(8), r(8)), (rows4, P(), P())),
+        ("conv2d", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)), (rows4, P())),
+        ("upsample2d", lambda x: jaxbwd.upsample2d(x, 2, method="bilinear"), (r(8, 3, 5, 2),), (rows4,)),
+        ("pixel_shuffle", lambda x: jaxbwd.pixel_shuffle(x, 2), (r(8, 3, 3, 8),), (rows4,)),
+        ("unpatchify", lambda t: jaxbwd.unpatchify(t, grid=(2, 2), patch_size=2, channels=3), (r(8, 4, 12),), (rows,)),
         ("rope_positions", lambda x, pos: jaxbwd.rope(x, positions=pos), (q, jnp.arange(64, dtype=jnp.int32).reshape(8, 8)),
          (rows4, P(dp, None))),
     ]

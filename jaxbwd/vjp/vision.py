@@ -8,6 +8,8 @@ every input-gradient element is written once, no atomics. conv2d keeps XLA's for
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -17,6 +19,7 @@ import numpy as np
 from jaxbwd.pallas import conv as conv_kernels
 from jaxbwd.pallas import vision as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd import sharding as S
 
 UPSAMPLE_METHODS = ("nearest", "bilinear")
 
@@ -127,7 +130,8 @@ def upsample2d(x, scale, *, method="nearest", implementation=None):
     sh, sw = _int_pair(op, "scale", scale)
     if method not in UPSAMPLE_METHODS:
         raise ValueError(f"jaxbwd.{op}: method must be 'nearest' or 'bilinear', got {method!r}")
-    return _upsample2d(x, sh, sw, method == "bilinear", B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("nHWC->nPQC", lambda x: _upsample2d(x, sh, sw, method == "bilinear", impl), x)
 
 
 # --------------------------------------------------------------------- pixel_shuffle
@@ -188,7 +192,8 @@ def pixel_shuffle(x, upscale_factor, *, implementation=None):
         raise ValueError(
             f"jaxbwd.{op}: x's channel count must be divisible by upscale_factor**2={r * r}, got {x.shape[-1]}"
         )
-    return _pixel_shuffle(x, r, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    return S.partitioned("nHWC->nPQD", lambda x: _pixel_shuffle(x, r, impl), x)
 
 
 # ------------------------------------------------------------------------ unpatchify
@@ -257,7 +262,8 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
         raise ValueError(
             f"jaxbwd.{op}: tokens.shape[2] must equal patch_size**2 * channels={p * p * Cc}, got {tokens.shape[2]}"
         )
-    return _unpatchify_op(tokens, gh, gw, p, Cc, B.impl(implementation, op, tokens))
+    impl = B.impl(implementation, op, tokens)
+    return S.partitioned("nTK->nPQC", lambda t: _unpatchify_op(t, gh, gw, p, Cc, impl), tokens)
 
 
 
@@ -388,4 +394,9 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
             f"got {(H + pt + pb, W + pl + pr)}"
         )
     geo = conv_kernels.ConvGeometry(N, H, W, Cin, Ho, Wo, Cout, KH, KW, sh, sw, dh, dw, pt, pl, G, pb, pr)
-    return _conv2d(x, w, geo, B.impl(implementation, op, x, w))
+    impl = B.impl(implementation, op, x, w)
+    # Samples split freely (weights replicated, dw partials summed); the spatial halo and
+    # the channel contraction need whole images, so those dims are gathered if sharded.
+    # The geometry is per shard: N is the local batch under shard_map.
+    return S.partitioned("nHWC,KLIO->nPQO",
+                         lambda x, w: _conv2d(x, w, dataclasses.replace(geo, N=x.shape[0]), impl), x, w)
