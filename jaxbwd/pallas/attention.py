@@ -152,15 +152,21 @@ def _seg_range(d: Dims, bnd_ref, b, blk, n_blocks: int, lo, hi):
     return jnp.maximum(lo, bnd_ref[row, 0]), jnp.minimum(hi, bnd_ref[row, 1])
 
 
+def position_mask(m, r, c, causal: bool, window):
+    """``m`` and the positional rule of query r vs key c: causal ``c <= r``; window w keeps
+    ``r - w < c`` (and ``c < r + w`` when not causal). Shared by the kernels and the XLA path."""
+    if causal:
+        m = m & (c <= r)
+    if window is not None:
+        m = m & (c > r - window)
+        if not causal:
+            m = m & (c < r + window)
+    return m
+
+
 def _mask(d: Dims, rows, cols, qseg, kseg):
     r, c = rows[:, None], cols[None, :]
-    m = (r < d.T) & (c < d.S)
-    if d.causal:
-        m = m & (c <= r)
-    if d.window is not None:
-        m = m & (c > r - d.window)
-        if not d.causal:
-            m = m & (c < r + d.window)
+    m = position_mask((r < d.T) & (c < d.S), r, c, d.causal, d.window)
     if qseg is not None:
         m = m & (qseg[:, None] == kseg[None, :])
     return m

@@ -51,14 +51,7 @@ def _xla_blocks(S: int):
 def _xla_mask(cfg: _Cfg, T, cols, qseg, kseg_j):
     """[B or 1, 1, 1, T, bk] mask of query rows vs key columns ``cols``."""
     r, c = jnp.arange(T)[:, None], cols[None, :]
-    m = jnp.ones((T, cols.shape[0]), bool)
-    if cfg.causal:
-        m = m & (c <= r)
-    if cfg.window is not None:
-        m = m & (c > r - cfg.window)
-        if not cfg.causal:
-            m = m & (c < r + cfg.window)
-    m = m[None]
+    m = kernels.position_mask(jnp.ones((T, cols.shape[0]), bool), r, c, cfg.causal, cfg.window)[None]
     if cfg.segments:
         m = m & (qseg[:, :, None] == kseg_j[:, None, :])
     return m[:, None, None]
