@@ -36,13 +36,17 @@ Design, and why:
   ``jax.sharding.reshard``, only the offending dimensions to replicated (the one
   all-gather this module adds, and only for such layouts) and keeps every other dimension
   sharded; the output is then replicated along the gathered dimension.
-* Not covered: vocab-parallel cross_entropy (the class axis is gathered), sequence
-  parallel attention (ring attention), glu over a sharded hidden dim (gate and up are the
-  two halves of the last axis, so a shard holds only gates or only ups: gathered); the
-  ops not routed through ``partitioned`` (group_norm, embed, matmul, scale, residual_add,
-  reshape, row_slice and the vision ops) behave as before; and meshes with Auto axes (plain
-  ``jit(in_shardings=...)``), where shardings are not visible at trace time and XLA still
-  gathers around each ``pallas_call``.
+* An op may also communicate inside the body: cross_entropy with the class axis sharded
+  (logits from a vocabulary-sharded output projection) runs vocab-parallel, combining
+  per-shard logsumexp, label logit and logit sum with ``pmax``/``psum`` over the axes
+  that shard the classes (``axes_of``); its backward needs no communication but a psum
+  of the [rows] loss cotangent (which the unchecked transpose hands each vocabulary
+  shard divided by their number).
+* Not covered: sequence-parallel attention (ring attention: a sharded sequence is
+  gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
+  axis, so a shard holds only gates or only ups: gathered); an embedding table sharded
+  over the vocabulary (gathered). matmul, scale, residual_add, reshape and row_slice have
+  XLA backwards and are partitioned by XLA itself (matmul over output columns included).
 
 Each op states its layout with a small einsum-like signature, e.g. ``"...D,D->...D"``
 for rms_norm: one letter per dimension, ``...`` for any number of leading dimensions
@@ -178,16 +182,23 @@ def plan(signature: str, *args) -> Optional[tuple]:
     return layout[2], layout[3]
 
 
-def partitioned(signature: str, fn: Callable, *args) -> Any:
+def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = None) -> Any:
     """``fn(*args)``, run per shard under ``jax.shard_map`` when ``plan`` finds a layout.
 
     ``fn`` is the op's custom_vjp with its static parameters bound; ``args`` its array
     operands (``None`` for an absent optional one). Replicated operands' gradients are
     summed over the sharded axes by shard_map's transpose; nothing else communicates.
+
+    ``axes_of``: a lower-case letter of the signature that ``fn`` itself communicates
+    over. ``fn`` is then called with ``axes=`` the tuple of mesh axes that shard that
+    dimension (``()`` when it is not sharded, or outside a mesh) and must reduce over them
+    with collectives; outputs without that letter are replicated over those axes.
+    vocab-parallel cross_entropy is the one user.
     """
     layout = _layout(signature, args)
+    extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731
     if layout is None:
-        return fn(*args)
+        return fn(*args, **extra({}))
     letters, _, in_specs, out_specs = layout
     present = [i for i, a in enumerate(args) if a is not None]
     operands = []
@@ -202,13 +213,13 @@ def partitioned(signature: str, fn: Callable, *args) -> Any:
         full = list(args)
         for i, a in zip(present, operands):
             full[i] = a
-        return fn(*full)
+        return fn(*full, **extra({}))
 
     def body(*local):
         full = [None] * len(args)
         for i, a in zip(present, local):
             full[i] = a
-        return fn(*full)
+        return fn(*full, **extra(letters))
 
     return jax.shard_map(
         body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False

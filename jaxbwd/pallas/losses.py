@@ -3,12 +3,16 @@
 ``cross_entropy_fwd``: one program per row block walks the vocabulary in power-of-two
 column tiles (the tail tile masked with -inf) keeping, per row, the online max and sum
 of exponentials (Milakov & Gimelshein 2018), the label's logit and, with label
-smoothing, the sum of the logits. It writes two f32 values per row: the logsumexp
-``lse`` and the loss
+smoothing, the sum of the logits. It writes three f32 values per row: the logsumexp
+``lse``, the label's logit ``x[label]`` (0 where the label is -1) and ``sum(x)`` (0
+without smoothing). The loss
 
     loss = lse - (1 - eps) * x[label] - eps / V * sum(x) + z * lse**2
 
-(0 for ignored rows). Nothing of size [rows, V] is written besides the logits the caller
+is formed from them outside the kernel, on [rows] vectors. Keeping the three partials
+apart is what makes the kernel usable on a vocabulary shard: shards' ``lse`` combine by
+a logsumexp, the other two by a sum (vocab-parallel cross-entropy, Megatron-LM,
+Shoeybi et al. 2019). Nothing of size [rows, V] is written besides the logits the caller
 already holds.
 
 ``cross_entropy_bwd``: one program per (row block, vocab tile) recomputes the softmax
@@ -17,7 +21,9 @@ from the saved ``lse`` and writes
     dlogits = g * ((1 + 2 z lse) * exp(x - lse) - (1 - eps) * onehot(label) - eps / V)
 
 with ``g`` the f32 per-row cotangent (already 0 for ignored rows, already divided by the
-number of valid rows for ``reduction="mean"``). Rows with ``g == 0`` get exact zeros.
+number of valid rows for ``reduction="mean"``) and ``V`` the number of classes of the
+whole vocabulary (``n_classes``, which on a vocabulary shard exceeds the shard's width).
+Rows with ``g == 0`` get exact zeros.
 """
 from __future__ import annotations
 
@@ -36,11 +42,11 @@ def _tiling(R: int, V: int) -> C.RowTiling:
     return C.row_tiling(R, V, max_block_rows=16)
 
 
-def _ce_fwd_kernel(x_ref, lab_ref, lse_ref, loss_ref, *, t: C.RowTiling, eps: float, z: float):
+def _ce_fwd_kernel(x_ref, lab_ref, lse_ref, xl_ref, sx_ref, *, t: C.RowTiling, with_sum: bool):
     rb = pl.program_id(0)
     rows = rb * t.block_rows + jnp.arange(t.block_rows)
     rmask = rows < t.n_rows
-    # Labels arrive already validated: -1 marks an ignored (or out-of-range) row.
+    # Labels arrive already validated: -1 marks an ignored row, or a label on another shard.
     lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
 
     def body(j, carry):
@@ -49,44 +55,40 @@ def _ce_fwd_kernel(x_ref, lab_ref, lse_ref, loss_ref, *, t: C.RowTiling, eps: fl
         x = C.load_tile(x_ref, rows, cols, mask, other=NEG_INF)
         m, s = C.online_lse_update(m, s, x)
         xl = xl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], x, 0.0), axis=1)
-        if eps:
+        if with_sum:
             sx = sx + jnp.sum(jnp.where(mask, x, 0.0), axis=1)
         return m, s, xl, sx
 
     zeros = jnp.zeros((t.block_rows,), jnp.float32)
     init = (jnp.full((t.block_rows,), NEG_INF, jnp.float32), zeros, zeros, zeros)
     m, s, xl, sx = jax.lax.fori_loop(0, t.num_col_blocks, body, init)
-    lse = C.finite_or_zero(m) + jnp.log(s)
-    loss = lse - (1.0 - eps) * xl
-    if eps:
-        loss = loss - (eps / t.n_cols) * sx
-    if z:
-        loss = loss + z * lse * lse
-    loss = jnp.where(lab >= 0, loss, 0.0)
-    C.store(lse_ref, rows, lse, rmask)
-    C.store(loss_ref, rows, loss, rmask)
+    C.store(lse_ref, rows, C.finite_or_zero(m) + jnp.log(s), rmask)
+    C.store(xl_ref, rows, xl, rmask)
+    C.store(sx_ref, rows, sx, rmask)
 
 
-def cross_entropy_fwd(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, interpret: bool = False):
-    """Per-row logsumexp and loss of ``logits`` [R, V] (any float dtype) in one pass.
+def cross_entropy_fwd(logits, labels, *, with_sum: bool = False, interpret: bool = False):
+    """Per-row partials of the cross-entropy of ``logits`` [R, V] (any float dtype), one pass.
 
     Args:
-      logits: [R, V]. labels: [R] int32 in [0, V), or -1 for rows that are ignored.
+      logits: [R, V]. labels: [R] int32 in [0, V), or -1 (ignored row, or label elsewhere).
+      with_sum: also sum each row's logits (needed by label smoothing).
     Returns:
-      lse [R] float32, loss [R] float32 (0 on ignored rows).
+      lse [R] f32 (logsumexp of the row), x_label [R] f32 (0 where the label is -1),
+      x_sum [R] f32 (0 unless ``with_sum``).
     """
     R, V = logits.shape
     t = _tiling(R, V)
-    kernel = functools.partial(_ce_fwd_kernel, t=t, eps=float(label_smoothing), z=float(z_loss))
+    kernel = functools.partial(_ce_fwd_kernel, t=t, with_sum=bool(with_sum))
     vec = jax.ShapeDtypeStruct((R,), jnp.float32)
     return C.call(
-        kernel, name="cross_entropy_fwd", grid=(t.num_row_blocks,), out_shape=(vec, vec),
+        kernel, name="cross_entropy_fwd", grid=(t.num_row_blocks,), out_shape=(vec, vec, vec),
         interpret=interpret, num_warps=t.num_warps, flops=6 * R * V, transcendentals=R * V,
-        bytes_accessed=C.nbytes(logits, labels) + 8 * R,
+        bytes_accessed=C.nbytes(logits, labels) + 12 * R,
     )(logits, labels)
 
 
-def _ce_bwd_kernel(x_ref, lab_ref, lse_ref, g_ref, dx_ref, *, t: C.RowTiling, eps: float, z: float):
+def _ce_bwd_kernel(x_ref, lab_ref, lse_ref, g_ref, dx_ref, *, t: C.RowTiling, eps: float, z: float, n_classes: int):
     rb, j = pl.program_id(0), pl.program_id(1)
     rows, cols, mask = C.tile_index(rb, j, t)
     rmask = rows < t.n_rows
@@ -99,19 +101,23 @@ def _ce_bwd_kernel(x_ref, lab_ref, lse_ref, g_ref, dx_ref, *, t: C.RowTiling, ep
         p = p * (1.0 + 2.0 * z * lse)[:, None]
     d = p - jnp.where(cols[None, :] == lab[:, None], 1.0 - eps, 0.0)
     if eps:
-        d = d - eps / t.n_cols
+        d = d - eps / n_classes
     d = jnp.where(g[:, None] != 0.0, g[:, None] * d, 0.0)
     C.store_tile(dx_ref, rows, cols, d, mask)
 
 
-def cross_entropy_bwd(logits, labels, lse, g, *, label_smoothing: float = 0.0, z_loss: float = 0.0, interpret: bool = False):
+def cross_entropy_bwd(logits, labels, lse, g, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                      n_classes: int | None = None, interpret: bool = False):
     """dlogits [R, V] in logits' dtype from the saved ``lse`` [R] f32 and row cotangents ``g`` [R] f32.
 
-    ``labels`` [R] int32 as for :func:`cross_entropy_fwd` (-1: ignored; ``g`` must be 0 there).
+    ``labels`` [R] int32 as for :func:`cross_entropy_fwd` (-1: no one-hot term here; ``g``
+    must be 0 on ignored rows). ``n_classes``: the whole vocabulary's size when ``logits``
+    is a vocabulary shard (default V).
     """
     R, V = logits.shape
     t = _tiling(R, V)
-    kernel = functools.partial(_ce_bwd_kernel, t=t, eps=float(label_smoothing), z=float(z_loss))
+    kernel = functools.partial(_ce_bwd_kernel, t=t, eps=float(label_smoothing), z=float(z_loss),
+                               n_classes=int(n_classes or V))
     return C.call(
         kernel, name="cross_entropy_bwd", grid=(t.num_row_blocks, t.num_col_blocks),
         out_shape=jax.ShapeDtypeStruct((R, V), logits.dtype), interpret=interpret,

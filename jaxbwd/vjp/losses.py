@@ -1,10 +1,15 @@
 """cross_entropy: softmax cross-entropy over integer labels, with the lse as its only new residual.
 
 Forward: the Pallas ``cross_entropy_fwd`` kernel (one pass over vocab tiles, online
-logsumexp) or the same math in XLA; it yields per-row f32 ``lse`` and loss. Saved for the
-backward: logits (already live in the caller), labels and ``lse`` [rows] float32, never
-a [rows, V] softmax. Backward: the Pallas ``cross_entropy_bwd`` kernel or the same
-formula in XLA.
+logsumexp) or the same math in XLA; it yields per-row f32 partials (``lse``, the label's
+logit, the logit sum) from which the loss is formed. Saved for the backward: logits
+(already live in the caller), labels and ``lse`` [rows] float32, never a [rows, V]
+softmax. Backward: the Pallas ``cross_entropy_bwd`` kernel or the same formula in XLA.
+
+Vocab-parallel: under an explicit-sharding mesh with the class axis sharded (the logits
+of a vocabulary-sharded output projection), each device runs the kernels on its
+vocabulary shard and the [rows] partials are combined with one ``pmax`` and three
+``psum`` (the Megatron-LM scheme, Shoeybi et al. 2019); the logits are never gathered.
 """
 from __future__ import annotations
 
@@ -28,25 +33,43 @@ def _valid_labels(labels, V, ignore_index):
     return jnp.where(ok, lab, -1)
 
 
-def _xla_rows(x2, lab, eps, z):
+def _shard_labels(lab, V_local, axes):
+    """Global labels -> column index within this vocabulary shard, -1 where the label lies elsewhere."""
+    if not axes:
+        return lab
+    local = lab - jax.lax.axis_index(axes) * V_local
+    return jnp.where((lab >= 0) & (local >= 0) & (local < V_local), local, -1)
+
+
+def _xla_partials(x2, lab, with_sum):
     xf = x2.astype(B.acc_dtype(x2))
     m = jnp.max(xf, axis=-1)
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = shift + jnp.log(jnp.sum(jnp.exp(xf - shift[:, None]), axis=-1))
-    valid = lab >= 0
     xl = jnp.take_along_axis(xf, jnp.maximum(lab, 0)[:, None], axis=-1)[:, 0]
+    sx = jnp.sum(xf, axis=-1) if with_sum else jnp.zeros_like(lse)
+    return lse, jnp.where(lab >= 0, xl, 0.0), sx
+
+
+def _rows_fwd(impl, x2, lab, eps, z, axes, V):
+    """Per-row (lse, loss) f32; on a vocabulary shard the partials are combined over ``axes``."""
+    local = _shard_labels(lab, x2.shape[-1], axes)
+    if impl.pallas:
+        lse, xl, sx = kernels.cross_entropy_fwd(x2, local, with_sum=bool(eps), interpret=impl.interpret)
+    else:
+        lse, xl, sx = _xla_partials(x2, local, bool(eps))
+    if axes:  # logsumexp of the shards' logsumexps; label logit and logit sum are sums
+        m = jax.lax.pmax(lse, axes)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        lse = m + jnp.log(jax.lax.psum(jnp.exp(lse - m), axes))
+        xl = jax.lax.psum(xl, axes)
+        sx = jax.lax.psum(sx, axes) if eps else sx
     loss = lse - (1.0 - eps) * xl
     if eps:
-        loss = loss - (eps / x2.shape[-1]) * jnp.sum(xf, axis=-1)
+        loss = loss - (eps / V) * sx
     if z:
         loss = loss + z * lse * lse
-    return lse, jnp.where(valid, loss, 0.0)
-
-
-def _rows_fwd(impl, x2, lab, eps, z):
-    if impl.pallas:
-        return kernels.cross_entropy_fwd(x2, lab, label_smoothing=eps, z_loss=z, interpret=impl.interpret)
-    return _xla_rows(x2, lab, eps, z)
+    return lse, jnp.where(lab >= 0, loss, 0.0)
 
 
 def _reduce(loss, lab, lead, reduction, dtype):
@@ -69,7 +92,7 @@ def _row_cotangent(ct, lab, reduction, acc):
     return jnp.where(valid, g, 0.0)
 
 
-def _xla_bwd(x2, lab, lse, g, eps, z):
+def _xla_bwd(x2, lab, lse, g, eps, z, V):
     xf = x2.astype(B.acc_dtype(x2))
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(xf.dtype)
     p = jnp.exp(xf - lse[:, None])
@@ -78,34 +101,35 @@ def _xla_bwd(x2, lab, lse, g, eps, z):
     onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
     d = p - jnp.where(onehot, 1.0 - eps, 0.0)
     if eps:
-        d = d - eps / x2.shape[-1]
+        d = d - eps / V
     d = jnp.where(g[:, None] != 0, g[:, None] * d, 0.0)
     return d.astype(x2.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl):
-    x2, lead = B.rows(logits)
-    lab = _valid_labels(labels.reshape(-1), x2.shape[-1], ignore_index)
-    _, loss = _rows_fwd(impl, x2, lab, eps, z)
-    return _reduce(loss, lab, lead, reduction, logits.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
+    return _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes)[0]
 
 
-def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl):
+def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
     x2, lead = B.rows(logits)
-    lab = _valid_labels(labels.reshape(-1), x2.shape[-1], ignore_index)
-    lse, loss = _rows_fwd(impl, x2, lab, eps, z)
+    lab = _valid_labels(labels.reshape(-1), V, ignore_index)
+    lse, loss = _rows_fwd(impl, x2, lab, eps, z, axes, V)
     return _reduce(loss, lab, lead, reduction, logits.dtype), (logits, lab, lse)
 
 
-def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, res, ct):
+def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
     logits, lab, lse = res
     x2, _ = B.rows(logits)
     g = _row_cotangent(ct, lab, reduction, lse.dtype)
+    if axes:  # every vocabulary shard holds a copy of the loss: their cotangents add up
+        g = jax.lax.psum(g, axes)
+    local = _shard_labels(lab, x2.shape[-1], axes)
     if impl.pallas:
-        dx = kernels.cross_entropy_bwd(x2, lab, lse, g, label_smoothing=eps, z_loss=z, interpret=impl.interpret)
+        dx = kernels.cross_entropy_bwd(x2, local, lse, g, label_smoothing=eps, z_loss=z, n_classes=V,
+                                       interpret=impl.interpret)
     else:
-        dx = _xla_bwd(x2, lab, lse, g, eps, z)
+        dx = _xla_bwd(x2, local, lse, g, eps, z, V)
     return dx.reshape(logits.shape), None
 
 
@@ -145,6 +169,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Residuals: logits, labels (int32) and the per-row logsumexp [rows] float32: O(rows)
     beyond the logits; no [rows, V] softmax is saved.
 
+    Sharding: under ``jax.set_mesh`` with explicit axes, rows may be sharded (data
+    parallel) and so may the class axis V (vocab-parallel: per-shard partials combined by
+    collectives over [rows] vectors; the logits are never gathered). See
+    :mod:`jaxbwd.sharding`.
+
     Raises:
       TypeError: logits not floating, labels not integer, a traced static parameter.
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
@@ -171,10 +200,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
         raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-    impl, sig = B.impl(implementation, op, logits), "...V,...->..."
-    run = lambda red: (lambda x, y: _cross_entropy(x, y, int(ignore_index), eps, z, red, impl))  # noqa: E731
+    # "v": the class axis may stay sharded (vocab-parallel: the op combines the shards itself)
+    impl, sig, V = B.impl(implementation, op, logits), "...v,...->...", int(logits.shape[-1])
+    run = lambda red: (lambda x, y, axes: _cross_entropy(x, y, int(ignore_index), eps, z, red, impl, V, axes))  # noqa: E731
     if reduction == "none" or S.plan(sig, logits, labels) is None:
-        return S.partitioned(sig, run(reduction), logits, labels)
-    # Sharded rows: per-row losses on each shard, then the global sum/mean (an all-reduce).
-    loss = S.partitioned(sig, run("none"), logits, labels).astype(B.acc_dtype(logits))
+        return S.partitioned(sig, run(reduction), logits, labels, axes_of="v")
+    # Sharded rows or classes: per-row losses per shard, then the global sum/mean (an all-reduce).
+    loss = S.partitioned(sig, run("none"), logits, labels, axes_of="v").astype(B.acc_dtype(logits))
     return _reduce(loss, _valid_labels(labels, logits.shape[-1], int(ignore_index)), (), reduction, logits.dtype)
