@@ -39,13 +39,13 @@ Design, and why:
 * An op may also communicate inside the body: cross_entropy with the class axis sharded
   (logits from a vocabulary-sharded output projection) runs vocab-parallel, combining
   per-shard logsumexp, label logit and logit sum with ``pmax``/``psum`` over the axes
-  that shard the classes (``axes_of``); its backward needs no communication but a psum
-  of the [rows] loss cotangent (which the unchecked transpose hands each vocabulary
-  shard divided by their number).
+  that shard the classes (``axes_of``); its backward needs no communication. embed with
+  the table sharded over the vocabulary likewise looks up the ids its shard holds and
+  psums the rows (Megatron-LM's vocab-parallel embedding); its backward scatters into
+  the local shard only. Both restore the loss cotangent with ``replicated_cotangent``.
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
   gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
-  axis, so a shard holds only gates or only ups: gathered); an embedding table sharded
-  over the vocabulary (gathered). matmul, scale, residual_add, reshape and row_slice have
+  axis, so a shard holds only gates or only ups: gathered). matmul, scale, residual_add, reshape and row_slice have
   XLA backwards and are partitioned by XLA itself (matmul over output columns included).
 
 Each op states its layout with a small einsum-like signature, e.g. ``"...D,D->...D"``
@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "plan"]
+__all__ = ["partitioned", "plan", "spec", "matmul_out_spec", "replicated_cotangent"]
 
 _ELLIPSIS = "."
 
@@ -169,6 +169,51 @@ def _layout(signature: str, args):
     return letters, dims, tuple(in_specs), (out_specs[0] if len(out_specs) == 1 else tuple(out_specs))
 
 
+def spec(x) -> Optional[P]:
+    """``x``'s PartitionSpec under an explicit-sharding mesh (padded to its rank), else None.
+
+    Passed as ``out_sharding`` to XLA contractions in a backward, so that a gradient keeps
+    its operand's sharding, as JAX's own transpose of ``dot_general`` does (explicit mode
+    otherwise refuses a contraction over a sharded dimension as ambiguous).
+    """
+    if _explicit_mesh() is None:
+        return None
+    entries = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) or ())
+    return P(*(entries + (None,) * (x.ndim - len(entries))))
+
+
+def matmul_out_spec(x, w) -> Optional[P]:
+    """Output spec of ``x [..., K] @ w [K, M]`` under an explicit mesh, else None.
+
+    Leading dimensions keep x's sharding, M keeps w's (unless its axes already shard a
+    leading dimension); a sharded K is summed over (XLA inserts the all-reduce of a
+    row-parallel matmul, Megatron-LM's "g" operator) and leaves the result replicated
+    along those axes.
+    """
+    sx, sw = spec(x), spec(w)
+    if sx is None:
+        return None
+    lead = tuple(sx)[:-1]
+    used = {a for e in lead for a in _axes(e)}
+    m = tuple(sw)[1]
+    return P(*lead, None if used & set(_axes(m)) else m)
+
+
+def replicated_cotangent(ct, axes: tuple):
+    """The cotangent of an output replicated over ``axes``, as a body of ``partitioned`` must use it.
+
+    shard_map's unchecked transpose hands each of the ``n`` devices along ``axes`` the
+    output's cotangent divided by ``n`` (it cannot know the copies are equal); an op whose
+    forward made the copies equal with a collective (a psum over a vocabulary shard) wants
+    the whole cotangent back. The divided values are equal on every device, so scaling by
+    ``n`` restores them exactly (``n`` a power of two) without a collective.
+    """
+    if not axes:
+        return ct
+    sizes = dict(zip(jax.sharding.get_abstract_mesh().axis_names, jax.sharding.get_abstract_mesh().axis_sizes))
+    return ct * math.prod(sizes[a] for a in axes)
+
+
 def plan(signature: str, *args) -> Optional[tuple]:
     """(in_specs, out_specs) when the op will run per shard under ``shard_map``, else None.
 
@@ -193,7 +238,7 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     over. ``fn`` is then called with ``axes=`` the tuple of mesh axes that shard that
     dimension (``()`` when it is not sharded, or outside a mesh) and must reduce over them
     with collectives; outputs without that letter are replicated over those axes.
-    vocab-parallel cross_entropy is the one user.
+    vocab-parallel cross_entropy and embed use it.
     """
     layout = _layout(signature, args)
     extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731

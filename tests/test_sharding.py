@@ -53,6 +53,9 @@ def _cases(jnp, jax, P, ndim_mesh):
             q, k, v, segment_ids=seg, sliding_window=4, is_causal=True),
          (q, kk, v, jnp.repeat(jnp.arange(2, dtype=jnp.int32), 4)[None].repeat(8, 0)), (rows4,) * 3 + (P(dp, None),)),
         ("embed", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)), (P(), P(dp, None))),
+        ("embed_vocab", lambda t, ids: jaxbwd.embed(ids, t, padding_idx=5),
+         (r(64, 16), labels.at[0, 1].set(5).at[2, 2].set(70)), (P(dp, None), P())),
+        ("matmul", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (rows, P())),
         ("group_norm_silu", lambda x, w, b: jaxbwd.group_norm(x, w, b, num_groups=4, activation="silu"),
          (r(8, 3, 5, 8), r(8), r(8)), (rows4, P(), P())),
         ("conv2d", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)), (rows4, P())),
@@ -72,6 +75,10 @@ def _cases(jnp, jax, P, ndim_mesh):
              (r(8, 4, 64).at[1, 2, 5].set(-jnp.inf), labels), (P("data", None, "model"), P("data", None)), True),
             ("cross_entropy_vocab_rows", lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.2),
              (r(8, 4, 64), labels), (P("model", None, "data"), P("model", None)), True),
+            ("embed_vocab_tp", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)),
+             (P("model", None), P("data", None)), True),
+            ("matmul_column_parallel", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (P("data", None, None), P(None, "model")), True),
+            ("matmul_row_parallel", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (hid, P("model", None)), True),
             ("bias_add_tp", lambda x, b: jaxbwd.bias_add(x, b), (x, b), (hid, P("model")), True),
             ("rope_tp", lambda x: jaxbwd.rope(x), (q,), (heads,), True),
             ("attention_tp", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
@@ -163,8 +170,10 @@ def test_ops_partition_without_gathering(mesh_name):
     assert not bad, f"sharded run differs from the single-device run: {bad}"
     gathered = [r for r in results if r["all_gather"] and not r["gather_ok"]]
     assert not gathered, f"compiled HLO gathers activations: {gathered}"
-    # a reduced loss is a replicated scalar; a vocab-parallel loss is replicated over the vocab axes
-    unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and "data" not in r["y_spec"]]
+    # a reduced loss is a replicated scalar; a vocab-parallel loss is replicated over the
+    # vocab axes; embed_vocab's ids are replicated, so are its rows
+    unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and r["op"] != "embed_vocab"
+                 and "data" not in r["y_spec"]]
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
 
 

@@ -35,20 +35,30 @@ def _lookup(ids, table):
     return jnp.where(valid[..., None], rows, jnp.zeros((), table.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _embed(ids, table, padding_idx, impl):
-    return _lookup(ids, table)
+def _shard_offset(V_local, axes):
+    """First id of this vocabulary shard (0 when the table is whole)."""
+    return jax.lax.axis_index(axes) * V_local if axes else 0
 
 
-def _embed_fwd(ids, table, padding_idx, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _embed(ids, table, padding_idx, impl, axes):
+    return _embed_fwd(ids, table, padding_idx, impl, axes)[0]
+
+
+def _embed_fwd(ids, table, padding_idx, impl, axes):
+    # Vocabulary shard: ids outside it read zero rows here and the shards' rows add up.
+    y = _lookup(ids - _shard_offset(table.shape[0], axes), table)
+    y = jax.lax.psum(y, axes) if axes else y
     # A zero-size carrier keeps V, D and the dtype without saving the table.
-    return _lookup(ids, table), (ids, jnp.zeros(table.shape + (0,), table.dtype))
+    return y, (ids, jnp.zeros(table.shape + (0,), table.dtype))
 
 
-def _embed_bwd(padding_idx, impl, res, dy):
+def _embed_bwd(padding_idx, impl, axes, res, dy):
     ids, proto = res
     V, D = proto.shape[:2]
-    key = _keys(ids, V, padding_idx)
+    dy = S.replicated_cotangent(dy, axes)
+    off = _shard_offset(V, axes)  # ids of other shards fall out of range: dropped
+    key = _keys(ids - off, V, None if padding_idx is None else padding_idx - off)
     dy2 = dy.reshape(-1, D)
     if impl.pallas:
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
@@ -84,6 +94,10 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
 
     Residuals: ids only (plus a zero-size carrier of the table's shape and dtype).
 
+    Sharding: under ``jax.set_mesh`` with explicit axes, ids may be sharded (data
+    parallel) and the table may be sharded over V (vocab-parallel: each shard looks up
+    the ids it holds, one psum of the [..., D] rows; the table is never gathered).
+
     Backward: dtable[v] = sum of dy over the tokens with id v, accumulated in float32 and
     returned in table's dtype. Deterministic: ids are stably sorted and each row's segment
     is summed by one program in a fixed order (no atomics).
@@ -108,4 +122,6 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
         padding_idx = int(padding_idx) % V
     impl = B.impl(implementation, op, ids, table)
-    return S.partitioned("...,VD->...D", lambda i, t: _embed(i, t, padding_idx, impl), ids, table)
+    # "v": the table may stay sharded over the vocabulary (vocab-parallel, see jaxbwd.sharding)
+    return S.partitioned("...,vD->...D", lambda i, t, axes: _embed(i, t, padding_idx, impl, axes), ids, table,
+                         axes_of="v")

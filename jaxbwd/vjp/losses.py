@@ -122,8 +122,7 @@ def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
     logits, lab, lse = res
     x2, _ = B.rows(logits)
     g = _row_cotangent(ct, lab, reduction, lse.dtype)
-    if axes:  # every vocabulary shard holds a copy of the loss: their cotangents add up
-        g = jax.lax.psum(g, axes)
+    g = S.replicated_cotangent(g, axes)  # every vocabulary shard holds a copy of the loss
     local = _shard_labels(lab, x2.shape[-1], axes)
     if impl.pallas:
         dx = kernels.cross_entropy_bwd(x2, local, lse, g, label_smoothing=eps, z_loss=z, n_classes=V,
