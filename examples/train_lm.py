@@ -13,10 +13,18 @@ against the unigram baseline and a generated sample.
     python examples/train_lm.py                      # XLA backward on CPU, a few minutes
     python examples/train_lm.py --implementation pallas --preset tiny   # kernels, interpret mode on CPU
     python examples/train_lm.py --check              # first-step grads vs the same model in plain JAX/flax
+    python examples/train_lm.py --mesh data=4,model=2 --preset tiny   # 8 devices (simulated on CPU)
+
+``--mesh``: data parallel over ``data`` and Megatron-style tensor parallel over ``model``
+(query/key/value/gate/up column-parallel, out/down row-parallel, the tied embedding
+vocab-parallel, so the logits and the cross-entropy stay sharded over the vocabulary) on
+an explicit-sharding mesh (``jax.set_mesh``); jaxbwd's ops run per shard. On CPU the
+devices are simulated (``jax_num_cpu_devices``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -194,6 +202,46 @@ def make_loss(model: LM):
     return loss_fn
 
 
+# -------------------------------------------------------------------------- sharding
+def parse_mesh(text: str) -> dict:
+    """'data=4,model=2' -> {'data': 4, 'model': 2}."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() not in ("data", "model") or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh: expected axes data=N and/or model=M, e.g. data=4,model=2; got {text!r}")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def make_mesh(axes: dict):
+    n = math.prod(axes.values())
+    if len(jax.devices()) < n:
+        raise SystemExit(f"--mesh {axes} needs {n} devices, found {len(jax.devices())}")
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Explicit,) * len(axes),
+                         devices=jax.devices()[:n])
+
+
+def param_specs(params, mesh):
+    """Megatron-LM layout over the mesh's ``model`` axis (replicated where a size does not divide)."""
+    P = jax.sharding.PartitionSpec
+    tp = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("model", 1)
+
+    def spec(path, leaf):
+        names = [getattr(k, "key", "") for k in path]
+        if tp == 1:
+            return P()
+        if names[-1] == "kernel" and names[-2] in ("query", "key", "value", "gate", "up"):
+            return P(None, "model") if leaf.shape[1] % tp == 0 else P()  # column parallel
+        if names[-1] == "kernel" and names[-2] in ("out", "down"):
+            return P("model", None) if leaf.shape[0] % tp == 0 else P()  # row parallel
+        if names[-2:] == ["embed", "embedding"]:
+            return P("model", None) if leaf.shape[0] % tp == 0 else P()  # vocab parallel
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 # -------------------------------------------------------------------------- training
 def make_optimizer(cfg: Config):
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)
@@ -239,7 +287,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs", help="output folder")
     p.add_argument("--max-bytes", type=int, default=None, help="truncate the corpus (for quick runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=4,model=2 (data and tensor parallel)")
     args = p.parse_args(argv)
+    try:
+        mesh_axes = parse_mesh(args.mesh) if args.mesh else None
+    except ValueError as e:
+        p.error(str(e))
+    if mesh_axes:
+        # On CPU, simulate the devices (must precede the first use of the CPU backend).
+        with contextlib.suppress(Exception):
+            jax.config.update("jax_num_cpu_devices", max(math.prod(mesh_axes.values()), 1))
 
     cfg = PRESETS[args.preset]
     if args.steps is not None:
@@ -263,6 +320,22 @@ def main(argv=None) -> int:
     model = LM(cfg, jaxbwd_ops(impl))
     params = model.init(jax.random.PRNGKey(cfg.seed), jnp.asarray(x0))["params"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    mesh = make_mesh(mesh_axes) if mesh_axes else None
+    if mesh is not None:
+        if cfg.batch_size % mesh_axes.get("data", 1):
+            p.error(f"--mesh: batch size {cfg.batch_size} is not divisible by data={mesh_axes['data']}")
+        shard = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+        params = jax.tree_util.tree_map(shard, params, param_specs(params, mesh))
+        batch_spec = jax.sharding.PartitionSpec("data" if "data" in mesh_axes else None)
+        put = lambda *a: tuple(shard(np.asarray(b), batch_spec) for b in a)  # noqa: E731
+        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} on {mesh.size} {jax.default_backend()} devices")
+    else:
+        put = lambda *a: a  # noqa: E731
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n_params)
+
+
+def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n_params) -> int:
     opt = make_optimizer(cfg)
     opt_state = opt.init(params)
     loss_fn = make_loss(model)
@@ -277,7 +350,7 @@ def main(argv=None) -> int:
 
     def evaluate(params) -> float:
         it = batches(held, cfg, np.random.default_rng(cfg.seed + 1))
-        return float(np.mean([float(eval_loss_fn(params, *next(it))) for _ in range(cfg.eval_batches)]))
+        return float(np.mean([float(eval_loss_fn(params, *put(*next(it)))) for _ in range(cfg.eval_batches)]))
 
     unigram = unigram_bits_per_byte(train, held)
     name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}"
@@ -294,7 +367,7 @@ def main(argv=None) -> int:
     x, y = x0, y0
     for step in bar:
         t0 = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, x, y)
+        params, opt_state, loss = train_step(params, opt_state, *put(x, y))
         loss = float(loss)
         if step > 0:  # step 0 includes compilation
             t_train += time.perf_counter() - t0
@@ -311,7 +384,7 @@ def main(argv=None) -> int:
     final_bpb = evals[-1]["bits_per_byte"]
     tok_s = tokens_per_step * (cfg.steps - 1) / max(t_train, 1e-9)
     metrics = {
-        "config": dataclasses.asdict(cfg), "implementation": impl or jaxbwd.config.default_implementation(),
+        "config": dataclasses.asdict(cfg), "mesh": args.mesh, "implementation": impl or jaxbwd.config.default_implementation(),
         "jax": jax.__version__, "backend": jax.default_backend(), "params": n_params,
         "train_loss": history, "eval": evals, "unigram_bits_per_byte": unigram,
         "final_bits_per_byte": final_bpb, "tokens_per_second": tok_s,

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,6 +41,21 @@ def test_train_lm_pallas_interpret_tiny(tmp_path):
           "--implementation", "pallas", "--name", "pallas"], tmp_path)
     m = json.loads((tmp_path / "pallas" / "metrics.json").read_text())
     assert m["implementation"] == "pallas" and len(m["train_loss"]) == 3
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_train_lm_mesh_matches_single_device(tmp_path, implementation):
+    """--mesh data=4,model=2 on 8 simulated CPU devices: the same loss curve as one device."""
+    common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "4", "--max-bytes", "200000",
+              "--implementation", implementation]
+    _run(common + ["--name", "one"], tmp_path)
+    stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2"], tmp_path)
+    assert "on 8 cpu devices" in stdout
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())["train_loss"]
+    mesh = json.loads((tmp_path / "mesh" / "metrics.json").read_text())
+    assert mesh["mesh"] == "data=4,model=2" and len(mesh["train_loss"]) == len(one) == 4
+    # sums run in a different order across shards: equal to float32 rounding, not bitwise
+    np.testing.assert_allclose(mesh["train_loss"], one, rtol=1e-5)
 
 
 def test_train_superres_tiny_loss_goes_down(tmp_path):
