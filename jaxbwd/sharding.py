@@ -1,32 +1,38 @@
 """Partitioning of the ops under ``jit`` with sharded operands: one helper, ``partitioned``.
 
 XLA cannot partition a ``pallas_call``: handed sharded operands, the SPMD partitioner
-gathers each whole operand onto every device around the kernel. The ops therefore run
-their custom_vjp (forward and Pallas/XLA backward) per shard, under ``jax.shard_map``,
-whenever the operands' shardings are known at trace time and the op can run on shards
-without communication.
+gathers each whole operand onto every device around the kernel. The ops therefore
+partition themselves, from one layout rule per op (a signature, below), in one of two
+ways depending on the mesh set with ``jax.set_mesh``:
 
-Design, and why:
+* Explicit axes (``AxisType.Explicit``): operand shardings are part of the abstract value
+  (``jax.typeof(x).sharding.spec``), so an op reads them while it is traced and runs its
+  whole custom_vjp (forward and Pallas/XLA backward) per shard under ``jax.shard_map``
+  with the operands' own specs. ``shard_map`` batches under vmap, nests in
+  grad/remat/scan, and its transpose does the one reduction the backward needs: a
+  replicated operand (a norm's weight, a bias) gets its per-shard f32 partial gradients
+  summed with a psum (an all-reduce) over the axes that shard the rows. Activations are
+  never gathered for the layouts an op can split. Both implementations take this path
+  (explicit mode would otherwise refuse the jnp formulas on some layouts).
+* Auto axes (plain ``jax.jit(..., in_shardings=...)`` under ``jax.set_mesh``): shardings
+  are decided by XLA after tracing, so the op is handed to XLA's (Shardy) partitioner
+  through ``jax.experimental.custom_partitioning``, whose callback receives the operands'
+  shardings and applies the same layout rule (see ``_auto_partitioned``: a custom_vjp
+  over a partitioned forward and a partitioned backward that recomputes the op's
+  forward on its shard, with custom_vmap falling back to the unpartitioned op under
+  vmap, since custom_partitioning has neither AD nor batching rules). Both
+  implementations take it: left to itself, XLA gathers around a kernel, and even the
+  jnp formulas lose a sequence sharding where they flatten rows.
 
-* ``jax.experimental.custom_partitioning`` was not used: it has no vmap batching rule, and
-  every op must vmap (the contract tests vmap each one), so wrapping kernels in it would
-  break vmap; it would also need one pair of partitioning callbacks per kernel.
-* Instead, under a mesh whose axes are all ``AxisType.Explicit`` (set with
-  ``jax.set_mesh``), operand shardings are part of the abstract value
-  (``jax.typeof(x).sharding.spec``), so an op can read them while it is traced and run the
-  whole custom_vjp under ``jax.shard_map`` with the operands' own specs. ``shard_map``
-  batches under vmap, nests in grad/remat/scan, and its transpose does the one reduction
-  the backward needs: a replicated operand (a norm's weight, a bias) gets its per-shard
-  f32 partial gradients summed with a psum (an all-reduce) over the axes that shard the
-  rows. Activations are never gathered for the layouts an op can split.
+Design notes:
+
 * ``check_vma=False``: a ``pallas_call`` inside a vma-checked ``shard_map`` must declare
   how each output varies across the mesh, which the kernels (shared with the unsharded
   path) do not; unchecked, the transpose divides output cotangents over, and psums input
   cotangents over, the axes an operand does not mention, which is exactly the sum of
   weight-gradient partials.
-* Without a mesh, with Auto or Manual axes (e.g. already inside a user's shard_map), or
-  when no operand is sharded, ``partitioned`` calls the op unchanged: behaviour is exactly
-  as before.
+* Without a mesh, with Manual axes (e.g. already inside a user's shard_map), with mixed
+  axis types, or when no operand is sharded, ``partitioned`` calls the op unchanged.
 * A layout the op cannot run on shards alone (a reduced axis sharded: a norm over a
   sharded hidden dim, a softmax over a sharded axis, attention over a sharded sequence; two
   operands sharding one dimension differently; axes that do not divide a dimension, e.g.
@@ -45,8 +51,10 @@ Design, and why:
   the local shard only. Both restore the loss cotangent with ``replicated_cotangent``.
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
   gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
-  axis, so a shard holds only gates or only ups: gathered). matmul, scale, residual_add, reshape and row_slice have
-  XLA backwards and are partitioned by XLA itself (matmul over output columns included).
+  axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
+  kernel op (runs unpartitioned). matmul, scale, residual_add, reshape and row_slice
+  have XLA backwards and are partitioned by XLA itself (matmul over output columns and
+  rows included; under explicit axes it states its ``out_sharding``).
 
 Each op states its layout with a small einsum-like signature, e.g. ``"...D,D->...D"``
 for rms_norm: one letter per dimension, ``...`` for any number of leading dimensions
@@ -64,9 +72,10 @@ import math
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "plan", "spec", "matmul_out_spec", "replicated_cotangent"]
+__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent"]
 
 _ELLIPSIS = "."
 
@@ -120,24 +129,29 @@ def _expand(term, ndim):
     return term if len(term) == ndim else None
 
 
-def _layout(signature: str, args):
+def _layout(signature: str, args, mesh=None, specs=None):
     """(letters, dims, in_specs, out_specs) under the current explicit mesh, or None.
+
+    ``mesh``/``specs`` (one normalised spec per operand) are given by the Auto-axes
+    partitioner, which learns shardings at compile time instead of from the types.
 
     ``letters`` maps each lower-case dimension that stays sharded to its mesh axes; the
     ``in_specs`` are what every operand must be resharded to before the op runs on shards:
     its own spec, less the axes on dimensions the op cannot split (upper-case ones, ones
     another operand shards differently, ones the axes do not divide).
     """
-    mesh = _explicit_mesh()
+    mesh = _explicit_mesh() if mesh is None else mesh
     if mesh is None:
         return None
     ins, outs = _parse(signature)
     if len(ins) != len(args):
         raise ValueError(f"jaxbwd.sharding: signature {signature!r} has {len(ins)} inputs, got {len(args)}")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if specs is None:
+        specs = [None if a is None else _spec_of(a, a.ndim) for a in args]
     dims, extent = [], {}
     for term, a in zip(ins, args):
-        names = None if a is None else _expand(term, a.ndim)
+        names = None if a is None else _expand(term, len(a.shape))
         if a is not None and names is None:
             return None  # rank does not fit the signature: the op's own checks report it
         dims.append(names)
@@ -145,8 +159,8 @@ def _layout(signature: str, args):
             extent.setdefault(name, set()).add(size)
     letters: dict = {}
     used: set = set()
-    for names, a in zip(dims, args):
-        for name, axes in zip(names or (), _spec_of(a, a.ndim) if names else ()):
+    for names, sp in zip(dims, specs):
+        for name, axes in zip(names or (), sp if names else ()):
             if not axes or name.isupper() or name in letters or used & set(axes):
                 continue  # upper-case: reduced over, gathered; the first operand decides
             if any(size % math.prod(sizes[ax] for ax in axes) for size in extent[name]):
@@ -227,6 +241,12 @@ def plan(signature: str, *args) -> Optional[tuple]:
     return layout[2], layout[3]
 
 
+def per_shard(signature: str, *args) -> bool:
+    """Whether ``partitioned`` will run the op per shard (an explicit-axes plan, or any
+    layout under Auto axes, partitioned at compile time)."""
+    return plan(signature, *args) is not None or _auto_mesh() is not None
+
+
 def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = None) -> Any:
     """``fn(*args)``, run per shard under ``jax.shard_map`` when ``plan`` finds a layout.
 
@@ -239,7 +259,12 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     dimension (``()`` when it is not sharded, or outside a mesh) and must reduce over them
     with collectives; outputs without that letter are replicated over those axes.
     vocab-parallel cross_entropy and embed use it.
+
+    Under a mesh with Auto axes (set with ``jax.set_mesh``) the op is handed to XLA's
+    partitioner through ``custom_partitioning`` instead (see ``_auto_partitioned``).
     """
+    if _auto_mesh() is not None:
+        return _auto_partitioned(signature, fn, args, axes_of)
     layout = _layout(signature, args)
     extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731
     if layout is None:
@@ -269,3 +294,165 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     return jax.shard_map(
         body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False
     )(*operands)
+
+
+# ---------------------------------------------------------------- meshes with Auto axes
+def _auto_mesh():
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover - very old jax
+        return None
+    if mesh is None or getattr(mesh, "empty", True) or not mesh.axis_names:
+        return None
+    return mesh if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types) else None
+
+
+def _normalised(spec, ndim):
+    spec = tuple(spec or ())
+    return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
+
+
+def _sdy_rule(terms_in, terms_out):
+    """Our signature as a Shardy einsum rule ('... D, D -> ... D') and its upper-case factors."""
+    def text(term):
+        return " ".join("..." if t == _ELLIPSIS else t for t in term)
+    rule = ", ".join(text(t) for t in terms_in) + " -> " + ", ".join(text(t) for t in terms_out)
+    upper = []  # in order of first appearance: Shardy wants the special factors sorted
+    for t in list(terms_in) + list(terms_out):
+        upper += [c for c in t if c.isupper() and c not in upper]
+    return rule, upper
+
+
+def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]):
+    """The op under a mesh with Auto axes, partitioned at compile time by ``custom_partitioning``.
+
+    With Auto axes the shardings are chosen by XLA after tracing, so the op cannot read
+    them; ``jax.experimental.custom_partitioning`` lets XLA's (Shardy) partitioner call
+    back with the operands' shardings and take a per-shard lowering. The layout rule is
+    the same ``_layout`` as under explicit axes. custom_partitioning has no AD or vmap
+    rule, hence the wrapping:
+
+    * a custom_vjp whose forward and backward are each custom_partitioned; the backward
+      takes the operands and the output cotangent and recomputes the op's forward on its
+      shard before the op's own backward (``jax.vjp`` of ``fn``): saving the op's
+      residuals would need a layout for each of them. The price is one extra forward
+      per backward, as under remat; the memory saved is the op's residuals.
+      Gradients of operands replicated along sharded axes (a norm's weight) are psummed
+      over those axes, as shard_map's transpose does under explicit axes.
+    * ``custom_vmap`` around each: under ``vmap`` the op runs unpartitioned (correct,
+      gathered around the kernels), since the callbacks know no batch dimension.
+    """
+    from jax.experimental.custom_partitioning import custom_partitioning
+    from jax.sharding import NamedSharding
+
+    present = [i for i, a in enumerate(args) if a is not None]
+    ops = [args[i] for i in present]
+    diff = [k for k, a in enumerate(ops) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    ins, outs = _parse(signature)
+    if len(outs) != 1:
+        return fn(*args, **({} if axes_of is None else {"axes": ()}))
+    terms = [_expand(ins[i], ops[k].ndim) for k, i in enumerate(present)]
+    if any(t is None for t in terms):  # rank does not fit: let the op's own checks report it
+        return fn(*args, **({} if axes_of is None else {"axes": ()}))
+
+    def has_consts(body, *xs):
+        # custom_partitioning refuses a body that closes over array constants (e.g. a
+        # numpy table baked in): such an op runs unpartitioned rather than fail
+        return bool(jax.make_jaxpr(body)(*xs).consts)
+
+    def full(local):
+        out = [None] * len(args)
+        for i, a in zip(present, local):
+            out[i] = a
+        return out
+
+    def call(local, axes=()):
+        return fn(*full(local), **({} if axes_of is None else {"axes": axes}))
+
+    def plan_for(mesh, shapes):
+        specs = [None] * len(args)
+        for i, sh in zip(present, shapes):
+            specs[i] = _normalised(getattr(sh.sharding, "spec", ()), len(sh.shape))
+        layout = _layout(signature, full(shapes), mesh=mesh, specs=specs)
+        letters, _, in_specs, out_spec = layout
+        axes = tuple(letters.get(axes_of, ())) if axes_of else ()
+        return letters, [in_specs[i] for i in present], out_spec, axes
+
+    def bwd_local(local, ct, axes):
+        def f(*d):
+            arrs = list(local)
+            for k, a in zip(diff, d):
+                arrs[k] = a
+            return call(arrs, axes)
+        return jax.vjp(f, *[local[k] for k in diff])[1](ct)
+
+    # forward: op on shards
+    def fwd_partition(mesh, arg_shapes, result_shape):
+        letters, in_specs, out_spec, axes = plan_for(mesh, arg_shapes)
+        named = lambda sp: NamedSharding(mesh, sp)  # noqa: E731
+        return mesh, lambda *local: call(local, axes), named(out_spec), tuple(named(sp) for sp in in_specs)
+
+    # backward: recompute on shards, op's backward, psum partials of replicated operands
+    def bwd_partition(mesh, arg_shapes, result_shape):
+        letters, in_specs, out_spec, axes = plan_for(mesh, arg_shapes[:-1])
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        used = {a for v in letters.values() for a in v}
+        out_axes = {a for e in out_spec for a in _axes(e)}
+        # the op's body restores a cotangent that shard_map would have divided (see
+        # replicated_cotangent): hand it the same division here
+        div = math.prod(sizes[a] for a in axes if a not in out_axes)
+
+        def lower(*local):
+            *xs, ct = local
+            grads = bwd_local(xs, ct / div if div > 1 else ct, axes)
+            out = []
+            for k, g in zip(diff, grads):
+                mentioned = {a for e in in_specs[k] for a in _axes(e)}
+                red = tuple(sorted(used - mentioned))
+                out.append(jax.lax.psum(g, red) if red else g)
+            return tuple(out)
+
+        named = lambda sp: NamedSharding(mesh, sp)  # noqa: E731
+        arg_sh = tuple(named(sp) for sp in in_specs) + (named(out_spec),)
+        return mesh, lower, tuple(named(in_specs[k]) for k in diff), arg_sh
+
+    sig_in = [ins[i] for i in present]
+    rule_f, upper = _sdy_rule(sig_in, [outs[0]])
+    rule_b, _ = _sdy_rule(sig_in + [outs[0]], [sig_in[k] for k in diff])
+    fwd_cp, bwd_cp = custom_partitioning(lambda *local: call(local)), custom_partitioning(
+        lambda *local: tuple(bwd_local(local[:-1], local[-1], ())))
+    for cp, part, rule in ((fwd_cp, fwd_partition, rule_f), (bwd_cp, bwd_partition, rule_b)):
+        try:
+            cp.def_partition(partition=part, sharding_rule=rule, need_replication_factors=tuple(upper))
+        except TypeError:  # older jax: no need_replication_factors
+            cp.def_partition(partition=part, sharding_rule=rule)
+
+    def unpartitioned_vmap(body):
+        def rule(axis_size, in_batched, *xs):
+            out = jax.vmap(body, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*xs)
+            return out, jax.tree_util.tree_map(lambda _: True, out)
+        return rule
+
+    fwd_call = jax.custom_batching.custom_vmap(lambda *xs: fwd_cp(*xs))
+    fwd_call.def_vmap(unpartitioned_vmap(lambda *xs: call(xs)))
+    bwd_call = jax.custom_batching.custom_vmap(lambda *xs: bwd_cp(*xs))
+    bwd_call.def_vmap(unpartitioned_vmap(lambda *xs: tuple(bwd_local(xs[:-1], xs[-1], ()))))
+
+    def fwd_any(*xs):
+        return call(xs) if has_consts(lambda *a: call(a), *xs) else fwd_call(*xs)
+
+    @jax.custom_vjp
+    def op(*xs):
+        return fwd_any(*xs)
+
+    def op_fwd(*xs):
+        return fwd_any(*xs), xs
+
+    def op_bwd(xs, ct):
+        body = lambda *a: tuple(bwd_local(a[:-1], a[-1], ()))  # noqa: E731
+        grads = body(*xs, ct) if has_consts(body, *xs, ct) else bwd_call(*xs, ct)
+        grads = dict(zip(diff, grads))
+        return tuple(grads.get(k) for k in range(len(xs)))
+
+    op.defvjp(op_fwd, op_bwd)
+    return op(*ops)

@@ -1,4 +1,4 @@
-"""Ops partition under jit on an explicit-sharding mesh (jaxbwd/sharding.py).
+"""Ops partition under jit on a mesh with explicit or Auto axes (jaxbwd/sharding.py).
 
 The checks need 8 devices, so they run in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (this file, run as a script), and
@@ -7,6 +7,12 @@ implementations, Pallas in interpret mode) is run under ``jax.jit`` with sharded
 on a ``jax.set_mesh`` explicit mesh; its value and grads must equal the single-device
 run, and the compiled HLO must hold no all-gather (activations are never gathered: the
 only collective is the all-reduce of weight-gradient partials and of loss sums).
+
+"4x2-auto" runs the same cases under plain ``jax.jit(in_shardings=...)`` on a mesh with
+Auto axes, where kernel ops go through ``custom_partitioning``. On CPU, interpret-mode
+kernels are ordinary HLO that XLA could partition anyway, so there the check is that
+each kernel op reached the partitioner as a custom call and that values, gradients and
+output shardings are right; the GPU case (an opaque kernel call) cannot run here.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import sys
 
 import pytest
 
-MESHES = {"8": (8,), "4x2": (4, 2), "2x4": (2, 4)}
+MESHES = {"8": (8,), "4x2": (4, 2), "2x4": (2, 4), "4x2-auto": (4, 2)}
 
 
 def _cases(jnp, jax, P, ndim_mesh):
@@ -79,6 +85,9 @@ def _cases(jnp, jax, P, ndim_mesh):
              (P("model", None), P("data", None)), True),
             ("matmul_column_parallel", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (P("data", None, None), P(None, "model")), True),
             ("matmul_row_parallel", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (hid, P("model", None)), True),
+            # sequence parallel: batch over "data", sequence over "model"
+            ("rms_norm_seq", lambda x, w: jaxbwd.rms_norm(x, w), (x, w), (P("data", "model", None), P()), True),
+            ("gelu_seq", lambda x: jaxbwd.gelu(x), (x,), (P("data", "model", None),), True),
             ("bias_add_tp", lambda x, b: jaxbwd.bias_add(x, b), (x, b), (hid, P("model")), True),
             ("rope_tp", lambda x: jaxbwd.rope(x), (q,), (heads,), True),
             ("attention_tp", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
@@ -108,9 +117,9 @@ def _worker(mesh_name):
 
     import jaxbwd
 
-    shape = MESHES[mesh_name]
+    shape, auto = MESHES[mesh_name], mesh_name.endswith("-auto")
     names = ("data", "model")[: len(shape)]
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+    mesh = jax.make_mesh(shape, names, axis_types=((AxisType.Auto if auto else AxisType.Explicit),) * len(shape))
     results = []
     for implementation in ("xla", "pallas"):
         with jaxbwd.config.use(implementation=implementation, interpret=True):
@@ -124,9 +133,13 @@ def _worker(mesh_name):
                 f = jax.jit(jax.value_and_grad(loss, argnums=diff, has_aux=True))
                 (want_l, want_y), want_g = f(*args)
                 with jax.set_mesh(mesh):
-                    sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+                    shardings = tuple(NamedSharding(mesh, s) for s in specs)
+                    if auto:  # plain jit(in_shardings=...): shardings unknown while tracing
+                        f = jax.jit(jax.value_and_grad(loss, argnums=diff, has_aux=True), in_shardings=shardings)
+                    sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
                     (got_l, got_y), got_g = f(*sharded)
-                    hlo = f.lower(*sharded).compile().as_text()
+                    lowered = f.lower(*sharded)
+                    hlo = lowered.compile().as_text()
                 err = max(
                     float(np.max(np.abs(np.asarray(g) - np.asarray(w)) / (1.0 + np.abs(np.asarray(w)))))
                     for g, w in zip((got_l, got_y) + tuple(got_g), (want_l, want_y) + tuple(want_g))
@@ -134,6 +147,7 @@ def _worker(mesh_name):
                 results.append({
                     "impl": implementation, "op": name, "err": err, "gather_ok": _tp == "gather",
                     "all_gather": "all-gather" in hlo, "y_spec": str(got_y.sharding.spec),
+                    "custom_partitioned": lowered.as_text().count("CustomSPMDPartitioning"),
                 })
     print("RESULTS " + json.dumps(results))
 
@@ -175,6 +189,12 @@ def test_ops_partition_without_gathering(mesh_name):
     unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and r["op"] != "embed_vocab"
                  and "data" not in r["y_spec"]]
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
+    if mesh_name.endswith("-auto"):
+        # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
+        # forward and backward (matmul is XLA's own; vmap runs unpartitioned)
+        ops = [r for r in results if not r["op"].startswith(("matmul", "vmap"))]
+        missed = [(r["impl"], r["op"]) for r in ops if r["custom_partitioned"] < 2]
+        assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
 
 
 if __name__ == "__main__":

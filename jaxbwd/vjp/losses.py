@@ -202,7 +202,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     # "v": the class axis may stay sharded (vocab-parallel: the op combines the shards itself)
     impl, sig, V = B.impl(implementation, op, logits), "...v,...->...", int(logits.shape[-1])
     run = lambda red: (lambda x, y, axes: _cross_entropy(x, y, int(ignore_index), eps, z, red, impl, V, axes))  # noqa: E731
-    if reduction == "none" or S.plan(sig, logits, labels) is None:
+    if reduction == "none" or not S.per_shard(sig, logits, labels):
         return S.partitioned(sig, run(reduction), logits, labels, axes_of="v")
     # Sharded rows or classes: per-row losses per shard, then the global sum/mean (an all-reduce).
     loss = S.partitioned(sig, run("none"), logits, labels, axes_of="v").astype(B.acc_dtype(logits))

@@ -45,17 +45,18 @@ def _int_pair(op: str, name: str, value, *, minimum: int = 1) -> tuple[int, int]
 
 
 # ------------------------------------------------------------------------ upsample2d
-def _bilinear_matrix(n_in: int, s: int) -> np.ndarray:
-    """[n_in*s, n_in] interpolation matrix of half-pixel bilinear upsampling by s (float64),
-    edge taps clamped: the same weights as ``jax.image.resize(..., "bilinear")``."""
-    o = np.arange(n_in * s)
-    u = (o + 0.5) / s - 0.5
-    i0 = np.floor(u).astype(np.int64)
-    f = u - i0
-    m = np.zeros((n_in * s, n_in))
-    np.add.at(m, (o, np.clip(i0, 0, n_in - 1)), 1.0 - f)
-    np.add.at(m, (o, np.clip(i0 + 1, 0, n_in - 1)), f)
-    return m
+def _bilinear_matrix(n_in: int, s: int, dtype):
+    """[n_in*s, n_in] interpolation matrix of half-pixel bilinear upsampling by s, edge taps
+    clamped: the same weights as ``jax.image.resize(..., "bilinear")``. Built from iotas
+    (not a numpy constant) so that the traced op carries no constants, which
+    ``custom_partitioning`` (the Auto-axes path of jaxbwd.sharding) does not accept."""
+    u = (jnp.arange(n_in * s, dtype=jnp.float32) + 0.5) / s - 0.5
+    i0 = jnp.floor(u)
+    f = (u - i0)[:, None]
+    cols = jnp.arange(n_in, dtype=jnp.int32)[None, :]
+    lo = jnp.clip(i0, 0, n_in - 1).astype(jnp.int32)[:, None]
+    hi = jnp.clip(i0 + 1, 0, n_in - 1).astype(jnp.int32)[:, None]
+    return (jnp.where(cols == lo, 1.0 - f, 0.0) + jnp.where(cols == hi, f, 0.0)).astype(dtype)
 
 
 def _bilinear_apply(x, sh, sw, transpose=False):
@@ -66,8 +67,8 @@ def _bilinear_apply(x, sh, sw, transpose=False):
         H, W = x.shape[1] // sh, x.shape[2] // sw
     else:
         H, W = x.shape[1], x.shape[2]
-    mh = jnp.asarray(_bilinear_matrix(H, sh), dt)
-    mw = jnp.asarray(_bilinear_matrix(W, sw), dt)
+    mh = _bilinear_matrix(H, sh, dt)
+    mw = _bilinear_matrix(W, sw, dt)
     xf = x.astype(dt)
     if transpose:
         y = jnp.einsum("ph,npqc->nhqc", mh, xf, precision=hi)
