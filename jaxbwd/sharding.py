@@ -280,10 +280,16 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
             a = jax.sharding.reshard(a, in_specs[i])
         operands.append(a)
     if not letters:
-        full = list(args)
-        for i, a in zip(present, operands):
-            full[i] = a
-        return fn(*full, **extra({}))
+        # Every operand replicated: no shard to run on. The op runs with the mesh's axes
+        # switched to Auto (explicit-mode typing rejects some of its internal steps, e.g.
+        # Pallas's interpreter; XLA has nothing to partition in a replicated op).
+        def whole(*ops):
+            full = list(args)
+            for i, a in zip(present, ops):
+                full[i] = a
+            return fn(*full, **extra({}))
+
+        return jax.sharding.auto_axes(whole, out_sharding=out_specs)(*operands)
 
     def body(*local):
         full = [None] * len(args)

@@ -103,6 +103,9 @@ def _cases(jnp, jax, P, ndim_mesh):
             ("softmax_axis_sharded", lambda x: jaxbwd.softmax(x, axis=1), (x,), (P("data", "model", None),), "gather"),
             ("attention_seq_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
              (q, kk, v), (P("data", "model", None, None),) * 3, "gather"),
+            # nothing sharded: the op runs whole on every device
+            ("conv2d_replicated", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)),
+             (P(), P()), "gather"),
             ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
              (q, r(8, 8, 1, 16), r(8, 8, 1, 16)), (heads, P("data"), P("data")), "gather"),
         ]
@@ -187,7 +190,7 @@ def test_ops_partition_without_gathering(mesh_name):
     # a reduced loss is a replicated scalar; a vocab-parallel loss is replicated over the
     # vocab axes; embed_vocab's ids are replicated, so are its rows
     unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and r["op"] != "embed_vocab"
-                 and "data" not in r["y_spec"]]
+                 and not r["op"].endswith("_replicated") and "data" not in r["y_spec"]]
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
