@@ -18,8 +18,9 @@ against the unigram baseline and a generated sample.
 ``--mesh``: data parallel over ``data`` and Megatron-style tensor parallel over ``model``
 (query/key/value/gate/up column-parallel, out/down row-parallel, the tied embedding
 vocab-parallel, so the logits and the cross-entropy stay sharded over the vocabulary) on
-an explicit-sharding mesh (``jax.set_mesh``); jaxbwd's ops run per shard. On CPU the
-devices are simulated (``jax_num_cpu_devices``).
+an explicit-sharding mesh (``jax.set_mesh``; ``--axis-type auto`` for Auto axes, where
+XLA propagates the shardings); jaxbwd's ops run per shard. On CPU the devices are
+simulated (``jax_num_cpu_devices``).
 """
 from __future__ import annotations
 
@@ -214,12 +215,12 @@ def parse_mesh(text: str) -> dict:
     return axes
 
 
-def make_mesh(axes: dict):
+def make_mesh(axes: dict, axis_type: str = "explicit"):
     n = math.prod(axes.values())
     if len(jax.devices()) < n:
         raise SystemExit(f"--mesh {axes} needs {n} devices, found {len(jax.devices())}")
-    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Explicit,) * len(axes),
-                         devices=jax.devices()[:n])
+    kind = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(kind,) * len(axes), devices=jax.devices()[:n])
 
 
 def param_specs(params, mesh):
@@ -288,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, default=None, help="truncate the corpus (for quick runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. data=4,model=2 (data and tensor parallel)")
+    p.add_argument("--axis-type", choices=["explicit", "auto"], default="explicit",
+                   help="mesh axis type: explicit (shardings in types) or auto (XLA propagates them)")
     args = p.parse_args(argv)
     try:
         mesh_axes = parse_mesh(args.mesh) if args.mesh else None
@@ -320,7 +323,7 @@ def main(argv=None) -> int:
     model = LM(cfg, jaxbwd_ops(impl))
     params = model.init(jax.random.PRNGKey(cfg.seed), jnp.asarray(x0))["params"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    mesh = make_mesh(mesh_axes) if mesh_axes else None
+    mesh = make_mesh(mesh_axes, args.axis_type) if mesh_axes else None
     if mesh is not None:
         if cfg.batch_size % mesh_axes.get("data", 1):
             p.error(f"--mesh: batch size {cfg.batch_size} is not divisible by data={mesh_axes['data']}")
@@ -328,7 +331,8 @@ def main(argv=None) -> int:
         params = jax.tree_util.tree_map(shard, params, param_specs(params, mesh))
         batch_spec = jax.sharding.PartitionSpec("data" if "data" in mesh_axes else None)
         put = lambda *a: tuple(shard(np.asarray(b), batch_spec) for b in a)  # noqa: E731
-        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} on {mesh.size} {jax.default_backend()} devices")
+        print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} ({args.axis_type} axes) on {mesh.size} "
+              f"{jax.default_backend()} devices")
     else:
         put = lambda *a: a  # noqa: E731
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -384,7 +388,7 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
     final_bpb = evals[-1]["bits_per_byte"]
     tok_s = tokens_per_step * (cfg.steps - 1) / max(t_train, 1e-9)
     metrics = {
-        "config": dataclasses.asdict(cfg), "mesh": args.mesh, "implementation": impl or jaxbwd.config.default_implementation(),
+        "config": dataclasses.asdict(cfg), "mesh": args.mesh, "axis_type": args.axis_type if args.mesh else None, "implementation": impl or jaxbwd.config.default_implementation(),
         "jax": jax.__version__, "backend": jax.default_backend(), "params": n_params,
         "train_loss": history, "eval": evals, "unigram_bits_per_byte": unigram,
         "final_bits_per_byte": final_bpb, "tokens_per_second": tok_s,

@@ -43,14 +43,14 @@ def test_train_lm_pallas_interpret_tiny(tmp_path):
     assert m["implementation"] == "pallas" and len(m["train_loss"]) == 3
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_train_lm_mesh_matches_single_device(tmp_path, implementation):
+@pytest.mark.parametrize("implementation,axis_type", [("xla", "explicit"), ("pallas", "explicit"), ("pallas", "auto")])
+def test_train_lm_mesh_matches_single_device(tmp_path, implementation, axis_type):
     """--mesh data=4,model=2 on 8 simulated CPU devices: the same loss curve as one device."""
     common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "4", "--max-bytes", "200000",
               "--implementation", implementation]
     _run(common + ["--name", "one"], tmp_path)
-    stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2"], tmp_path)
-    assert "on 8 cpu devices" in stdout
+    stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2", "--axis-type", axis_type], tmp_path)
+    assert f"({axis_type} axes) on 8 cpu devices" in stdout
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())["train_loss"]
     mesh = json.loads((tmp_path / "mesh" / "metrics.json").read_text())
     assert mesh["mesh"] == "data=4,model=2" and len(mesh["train_loss"]) == len(one) == 4
