@@ -31,8 +31,12 @@ Design notes:
   path) do not; unchecked, the transpose divides output cotangents over, and psums input
   cotangents over, the axes an operand does not mention, which is exactly the sum of
   weight-gradient partials.
-* Without a mesh, with Manual axes (e.g. already inside a user's shard_map), with mixed
-  axis types, or when no operand is sharded, ``partitioned`` calls the op unchanged.
+* Without a mesh, or with all axes Manual (inside a user's shard_map over every axis),
+  ``partitioned`` calls the op unchanged. Inside a user's shard_map over some axes of an
+  explicit mesh, the op partitions over the remaining Explicit axes (a nested shard_map
+  over just those). With every operand replicated under explicit axes it runs the op
+  whole under ``jax.sharding.auto_axes``. A mesh mixing Explicit and Auto axes with an
+  operand sharded is refused with a ValueError: neither path applies there.
 * A layout the op cannot run on shards alone (a reduced axis sharded: a norm over a
   sharded hidden dim, a softmax over a sharded axis, attention over a sharded sequence; two
   operands sharding one dimension differently; axes that do not divide a dimension, e.g.
@@ -75,7 +79,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent"]
+__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent", "vary_together", "vary_like"]
 
 _ELLIPSIS = "."
 
@@ -101,10 +105,70 @@ def _explicit_mesh():
         return None
     if mesh is None or getattr(mesh, "empty", True) or not mesh.axis_names:
         return None
-    explicit = jax.sharding.AxisType.Explicit
-    if any(t != explicit for t in mesh.axis_types):
+    # Explicit axes, possibly beside Manual ones (inside a user's shard_map over some axes):
+    # the op partitions over the Explicit axes; the Manual ones are already per-device.
+    kinds = set(mesh.axis_types)
+    if jax.sharding.AxisType.Explicit not in kinds or jax.sharding.AxisType.Auto in kinds:
         return None
     return mesh
+
+
+def _explicit_axes(mesh) -> frozenset:
+    return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
+
+
+def vary_together(arrays):
+    """(arrays, manual axis type) with every array varying over the same manual mesh axes.
+
+    Inside a user's vma-checked ``shard_map``, arrays carry the set of manual axes they
+    vary over. An op mixing a varying activation with an invariant weight must make the
+    weight vary too (``pcast(..., to="varying")``), as JAX's own ops do implicitly: then
+    AD transposes that cast into the psum of the weight's per-device gradient, and a
+    kernel's outputs can declare how they vary. Returns the arrays unchanged and None
+    when nothing varies (everywhere else). ``None`` entries pass through.
+    """
+    mats = [None if a is None else getattr(jax.typeof(a), "manual_axis_type", None) for a in arrays]
+    varying = frozenset().union(*(getattr(m, "varying", None) or () for m in mats))
+    if not varying:
+        return tuple(arrays), None
+    out = tuple(
+        a if a is None or not varying - m.varying else jax.lax.pcast(a, tuple(sorted(varying - m.varying)), to="varying")
+        for a, m in zip(arrays, mats))
+    return out, type(next(m for m in mats if m is not None))(varying=varying)
+
+
+def vary_like(tree, *refs):
+    """``tree``'s arrays made to vary over the manual axes any of ``refs`` varies over.
+
+    A ``lax.scan`` carry initialised with constants inside a user's vma-checked shard_map
+    must vary as the carry its body produces from ``refs``; elsewhere a no-op.
+    """
+    varying = frozenset().union(*(getattr(getattr(jax.typeof(r), "manual_axis_type", None), "varying", None) or ()
+                                  for r in refs))
+    if not varying:
+        return tree
+
+    def cast(a):
+        missing = varying - (getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", None) or frozenset())
+        return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _refuse_mixed_mesh(signature, args):
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover - very old jax
+        return
+    kinds = set(getattr(mesh, "axis_types", ()) or ())
+    if not {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= kinds:
+        return
+    if any(a is not None and any(_spec_of(a, a.ndim)) for a in args):
+        kinds = ", ".join(f"{n}={t.name}" for n, t in zip(mesh.axis_names, mesh.axis_types))
+        raise ValueError(
+            f"jaxbwd: an op with layout {signature!r} got an operand sharded on a mesh that mixes axis types "
+            f"({kinds}); jaxbwd partitions under meshes whose axes are all Explicit or all Auto "
+            "(Manual axes of an enclosing shard_map may sit beside either)")
 
 
 def _axes(entry) -> tuple:
@@ -224,8 +288,7 @@ def replicated_cotangent(ct, axes: tuple):
     """
     if not axes:
         return ct
-    sizes = dict(zip(jax.sharding.get_abstract_mesh().axis_names, jax.sharding.get_abstract_mesh().axis_sizes))
-    return ct * math.prod(sizes[a] for a in axes)
+    return ct * jax.lax.psum(1, axes)  # the number of devices along ``axes``
 
 
 def plan(signature: str, *args) -> Optional[tuple]:
@@ -252,7 +315,8 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
 
     ``fn`` is the op's custom_vjp with its static parameters bound; ``args`` its array
     operands (``None`` for an absent optional one). Replicated operands' gradients are
-    summed over the sharded axes by shard_map's transpose; nothing else communicates.
+    summed over the sharded axes by shard_map's transpose; apart from what ``fn`` itself
+    does for ``axes_of``, nothing else communicates.
 
     ``axes_of``: a lower-case letter of the signature that ``fn`` itself communicates
     over. ``fn`` is then called with ``axes=`` the tuple of mesh axes that shard that
@@ -265,6 +329,8 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     """
     if _auto_mesh() is not None:
         return _auto_partitioned(signature, fn, args, axes_of)
+    _refuse_mixed_mesh(signature, args)
+    args, _ = vary_together(args)  # inside a user's vma-checked shard_map
     layout = _layout(signature, args)
     extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731
     if layout is None:
@@ -289,7 +355,9 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
                 full[i] = a
             return fn(*full, **extra({}))
 
-        return jax.sharding.auto_axes(whole, out_sharding=out_specs)(*operands)
+        # replicated at any rank (the op may already have reduced its output, e.g. a mean loss)
+        out_sharding = jax.tree_util.tree_map(lambda _: P(), out_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.sharding.auto_axes(whole, out_sharding=out_sharding)(*operands)
 
     def body(*local):
         full = [None] * len(args)
@@ -298,7 +366,8 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
         return fn(*full, **extra(letters))
 
     return jax.shard_map(
-        body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False
+        body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False,
+        axis_names=_explicit_axes(_explicit_mesh()),
     )(*operands)
 
 

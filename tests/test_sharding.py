@@ -200,5 +200,69 @@ def test_ops_partition_without_gathering(mesh_name):
         assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
 
 
+# ------------------------------------------------ inside a user's vma-checked shard_map
+def _user_shard_map_cases(jnp, jax):
+    """(name, fn(x, *weights), x [2, ...] (split over the manual axis), weights (replicated))."""
+    import jaxbwd
+
+    k = iter(jax.random.split(jax.random.key(1), 32))
+    r = lambda *s: jax.random.normal(next(k), s, jnp.float32)  # noqa: E731
+    return [
+        ("rms_norm", lambda x, w: jaxbwd.rms_norm(x, w), r(2, 4, 32), (r(32),)),
+        ("layer_norm", lambda x, w, b: jaxbwd.layer_norm(x, w, b), r(2, 4, 32), (r(32), r(32))),
+        ("bias_add", lambda x, b: jaxbwd.bias_add(x, b), r(2, 4, 32), (r(32),)),
+        ("group_norm", lambda x, w, b: jaxbwd.group_norm(x, w, b, num_groups=2), r(2, 3, 3, 8), (r(8), r(8))),
+        ("conv2d", lambda x, w: jaxbwd.conv2d(x, w, padding=1), r(2, 4, 4, 3), (r(3, 3, 3, 4),)),
+        ("embed", lambda x, t: jaxbwd.embed((jnp.abs(x[..., 0]) * 10).astype(jnp.int32), t) * x[..., :1],
+         r(2, 4, 8), (r(16, 8),)),
+        ("attention", lambda q, k: jaxbwd.dot_product_attention(q, k, k, is_causal=True), r(2, 8, 2, 16),
+         (r(2, 8, 2, 16),)),
+        ("cross_entropy", lambda x, w: jaxbwd.cross_entropy(x * w, jnp.zeros(x.shape[:-1], jnp.int32), reduction="none"),
+         r(2, 4, 32), (r(32),)),
+    ]
+
+
+def test_ops_inside_vma_checked_shard_map():
+    """Inside ``jax.shard_map(..., check_vma=True)`` an op mixes a varying activation with
+    an invariant weight: the weight's gradient must be the psum of the per-device ones.
+    XLA path: run on one CPU device (a manual axis of size 1 is enough for the type rules)
+    against the plain run. Pallas path: lowered for CUDA (interpret mode cannot run under
+    vma checking), the kernels must be there."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import jaxbwd
+    from jaxbwd.pallas import _common as C
+
+    if not hasattr(jax.lax, "pcast"):
+        pytest.skip("jax.lax.pcast absent in this jax")
+    cpu = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    for name, fn, x, ws in _user_shard_map_cases(jnp, jax):
+        def loss(x, *ws, fn=fn):
+            return jnp.sum(jnp.sin(fn(x, *ws)))
+
+        def sharded(mesh, axis, loss=loss, n=len(ws)):
+            # x varies over the manual axis, the weights do not: the loss is a psum, and the
+            # weights' grads must come back invariant (summed over the axis)
+            def body(x, *ws):
+                x = jax.lax.pcast(x, axis, to="varying") if not jax.typeof(x).manual_axis_type.varying else x
+                total = lambda x, *ws: jax.lax.psum(loss(x, *ws), axis)  # noqa: E731
+                return (total(x, *ws),) + tuple(jax.grad(total, argnums=tuple(range(n + 1)))(x, *ws))
+            x_spec = P(axis) if axis == "i" else P()  # the abstract CUDA mesh is explicit: replicated in, varied inside
+            return jax.shard_map(body, mesh=mesh, in_specs=(x_spec,) + (P(),) * n,
+                                 out_specs=(P(),) + (P(axis),) + (P(),) * n, check_vma=True)
+
+        with jaxbwd.config.use(implementation="xla"):
+            want = (loss(x, *ws),) + tuple(jax.grad(loss, argnums=tuple(range(len(ws) + 1)))(x, *ws))
+            got = jax.jit(sharded(cpu, "i"))(x, *ws)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+        with jaxbwd.config.use(implementation="pallas", interpret=False), C.abstract_gpu() as gpu:
+            names = C.triton_kernel_names(C.lower_for_gpu(sharded(gpu, gpu.axis_names[0]), x, *ws))
+        assert names, f"{name}: no Pallas kernel lowered inside the vma-checked shard_map"
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])

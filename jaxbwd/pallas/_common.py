@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxbwd import sharding as S
+
 # JAX warns at every Triton lowering; one notice per process is enough.
 warnings.filterwarnings(
     "once", message=r".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
@@ -157,17 +159,36 @@ def call(
     """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
     mask their own tiles), a name, a cost estimate and Triton compiler parameters."""
     _check_can_run(name, interpret)
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=tuple(int(g) for g in grid),
-        interpret=interpret,
-        name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=num_stages),
-        cost_estimate=pl.CostEstimate(
-            flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
-        ),
-    )
+
+    def launch(*args):
+        args, out = _vary_together(args, out_shape)
+        return pl.pallas_call(
+            kernel,
+            out_shape=out,
+            grid=tuple(int(g) for g in grid),
+            interpret=interpret,
+            name=name,
+            compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=num_stages),
+            cost_estimate=pl.CostEstimate(
+                flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
+            ),
+        )(*args)
+
+    return launch
+
+
+def _vary_together(args, out_shape):
+    """Inside a vma-checked shard_map (a user's, with ``check_vma=True``), a kernel's
+    operands must agree over which manual mesh axes they vary, and its outputs must say
+    so: all vary over the union of the operands' axes (a kernel mixes all its inputs).
+    Elsewhere nothing varies and nothing changes."""
+    args, mat = S.vary_together(args)
+    if mat is None:
+        return args, out_shape
+    out_shape = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape,
+        is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
+    return args, out_shape
 
 
 def nbytes(*arrays) -> int:
@@ -188,7 +209,7 @@ def abstract_gpu(device_kind: str = GPU_DEVICE_KIND, num_cores: int = GPU_NUM_CO
         ),
     )
     with jax.sharding.use_abstract_mesh(mesh):
-        yield
+        yield mesh
 
 
 def lower_for_gpu(fn: Callable[..., Any], *args, **kwargs) -> str:

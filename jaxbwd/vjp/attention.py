@@ -18,6 +18,7 @@ import numpy as np
 from jaxbwd.pallas import attention as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd import sharding as S
+from jaxbwd.sharding import vary_like
 
 OP = "dot_product_attention"
 # Keys per step of the XLA path: the scan holds [B, N, T, XLA_BLOCK] logits at a time.
@@ -110,7 +111,7 @@ def _xla_fwd(q, k, v, qseg, kseg, cfg):
         return (o, m_new, l), None
 
     init = (jnp.zeros(qf.shape, acc), jnp.full(shape, -jnp.inf, acc), jnp.zeros(shape, acc))
-    (o, m, l), _ = jax.lax.scan(step, init, (kb, vb, ksb, colsb))
+    (o, m, l), _ = jax.lax.scan(step, vary_like(init, qf, kb), (kb, vb, ksb, colsb))
     seen = l > 0
     o = o / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
@@ -143,7 +144,7 @@ def _xla_bwd(q, k, v, qseg, kseg, o, lse, do, cfg):
         dq = dq + jnp.einsum("bkgts,bksh->bkgth", ds, kjf) * cfg.scale
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qf.shape, acc), (kb, vb, ksb, colsb))
+    dq, (dk, dv) = jax.lax.scan(step, vary_like(jnp.zeros(qf.shape, acc), qf, kb, dof), (kb, vb, ksb, colsb))
 
     def unblock(x):  # [nb, B, K, bk, H] -> [B, S, K, H]
         nb, _, _, bk, _ = x.shape
