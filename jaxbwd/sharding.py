@@ -56,7 +56,11 @@ Design notes:
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
   gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
   axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
-  kernel op (runs unpartitioned). matmul, scale, residual_add, reshape and row_slice
+  op (runs unpartitioned); under explicit axes, vmap over a dimension sharded on one mesh
+  axis around an op that shards another dimension on a second axis (fails to trace: the
+  shard_map is manual over every explicit axis, and one manual only over the axes the
+  layout uses leaves the rest explicit inside, which the kernels' interpreter and some
+  jnp steps reject). matmul, scale, residual_add, reshape and row_slice
   have XLA backwards and are partitioned by XLA itself (matmul over output columns and
   rows included; under explicit axes it states its ``out_sharding``).
 
