@@ -211,6 +211,8 @@ def parse_mesh(text: str) -> dict:
         name, _, size = part.partition("=")
         if name.strip() not in ("data", "model") or not size.strip().isdigit() or int(size) < 1:
             raise ValueError(f"--mesh: expected axes data=N and/or model=M, e.g. data=4,model=2; got {text!r}")
+        if name.strip() in axes:
+            raise ValueError(f"--mesh: axis {name.strip()!r} given twice in {text!r}")
         axes[name.strip()] = int(size)
     return axes
 
@@ -218,26 +220,32 @@ def parse_mesh(text: str) -> dict:
 def make_mesh(axes: dict, axis_type: str = "explicit"):
     n = math.prod(axes.values())
     if len(jax.devices()) < n:
-        raise SystemExit(f"--mesh {axes} needs {n} devices, found {len(jax.devices())}")
+        raise SystemExit(f"--mesh {axes} needs {n} devices, found {len(jax.devices())} "
+                         f"({jax.default_backend()}); to simulate them on CPU: JAX_PLATFORMS=cpu")
     kind = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(kind,) * len(axes), devices=jax.devices()[:n])
 
 
-def param_specs(params, mesh):
-    """Megatron-LM layout over the mesh's ``model`` axis (replicated where a size does not divide)."""
+def param_specs(params, mesh, cfg: Config):
+    """Megatron-LM layout over the mesh's ``model`` axis; replicated where the split would not
+    fall on whole heads (attention) or whole rows/columns."""
     P = jax.sharding.PartitionSpec
     tp = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("model", 1)
+    # attention projections split by heads: the [.., heads * head_dim] reshape must keep
+    # each head on one device
+    splits = {"query": cfg.n_heads, "out": cfg.n_heads, "key": cfg.n_kv_heads, "value": cfg.n_kv_heads,
+              "gate": cfg.mlp_hidden, "up": cfg.mlp_hidden, "down": cfg.mlp_hidden, "embed": cfg.vocab}
 
     def spec(path, leaf):
         names = [getattr(k, "key", "") for k in path]
-        if tp == 1:
+        if tp == 1 or len(names) < 2 or names[-2] not in splits or splits[names[-2]] % tp:
             return P()
         if names[-1] == "kernel" and names[-2] in ("query", "key", "value", "gate", "up"):
-            return P(None, "model") if leaf.shape[1] % tp == 0 else P()  # column parallel
+            return P(None, "model")  # column parallel
         if names[-1] == "kernel" and names[-2] in ("out", "down"):
-            return P("model", None) if leaf.shape[0] % tp == 0 else P()  # row parallel
+            return P("model", None)  # row parallel
         if names[-2:] == ["embed", "embedding"]:
-            return P("model", None) if leaf.shape[0] % tp == 0 else P()  # vocab parallel
+            return P("model", None)  # vocab parallel
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -298,8 +306,12 @@ def main(argv=None) -> int:
         p.error(str(e))
     if mesh_axes:
         # On CPU, simulate the devices (must precede the first use of the CPU backend).
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(AttributeError, RuntimeError):  # absent option, or backend already up
             jax.config.update("jax_num_cpu_devices", max(math.prod(mesh_axes.values()), 1))
+        if args.check:
+            p.error("--check compares one-device grads; it does not take --mesh")
+    elif args.axis_type != "explicit":
+        p.error("--axis-type needs --mesh")
 
     cfg = PRESETS[args.preset]
     if args.steps is not None:
@@ -328,7 +340,7 @@ def main(argv=None) -> int:
         if cfg.batch_size % mesh_axes.get("data", 1):
             p.error(f"--mesh: batch size {cfg.batch_size} is not divisible by data={mesh_axes['data']}")
         shard = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-        params = jax.tree_util.tree_map(shard, params, param_specs(params, mesh))
+        params = jax.tree_util.tree_map(shard, params, param_specs(params, mesh, cfg))
         batch_spec = jax.sharding.PartitionSpec("data" if "data" in mesh_axes else None)
         put = lambda *a: tuple(shard(np.asarray(b), batch_spec) for b in a)  # noqa: E731
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} ({args.axis_type} axes) on {mesh.size} "

@@ -1,4 +1,6 @@
-"""Partitioning of the ops under ``jit`` with sharded operands: one helper, ``partitioned``.
+"""Partitioning of the ops under ``jit`` with sharded operands: ``partitioned``, and the
+few helpers the ops use for what runs inside it (vocab-parallel collectives, matmul's
+out_sharding, operands of a user's vma-checked shard_map).
 
 XLA cannot partition a ``pallas_call``: handed sharded operands, the SPMD partitioner
 gathers each whole operand onto every device around the kernel. The ops therefore
@@ -26,20 +28,21 @@ ways depending on the mesh set with ``jax.set_mesh``:
 
 Design notes:
 
-* ``check_vma=False``: a ``pallas_call`` inside a vma-checked ``shard_map`` must declare
-  how each output varies across the mesh, which the kernels (shared with the unsharded
-  path) do not; unchecked, the transpose divides output cotangents over, and psums input
-  cotangents over, the axes an operand does not mention, which is exactly the sum of
-  weight-gradient partials.
+* ``check_vma=False``: the bodies rely on the unchecked transpose, which divides output
+  cotangents over, and psums input cotangents over, the axes an operand does not
+  mention: exactly the sum of weight-gradient partials, with no per-op bookkeeping
+  (``replicated_cotangent`` and the Auto path's division follow the same convention).
 * Without a mesh, or with all axes Manual (inside a user's shard_map over every axis),
   ``partitioned`` calls the op unchanged. Inside a user's shard_map over some axes of an
   explicit mesh, the op partitions over the remaining Explicit axes (a nested shard_map
   over just those). With every operand replicated under explicit axes it runs the op
   whole under ``jax.sharding.auto_axes``. A mesh mixing Explicit and Auto axes with an
-  operand sharded is refused with a ValueError: neither path applies there.
+  operand sharded is refused with a ValueError: neither path applies there. Auto axes
+  beside Manual ones (a user's shard_map over part of an Auto mesh) are not partitioned:
+  the op runs unchanged and XLA handles it as it would any call.
 * A layout the op cannot run on shards alone (a reduced axis sharded: a norm over a
   sharded hidden dim, a softmax over a sharded axis, attention over a sharded sequence; two
-  operands sharding one dimension differently; axes that do not divide a dimension, e.g.
+  a mesh axis that already shards another dimension; axes that do not divide a dimension, e.g.
   one kv head with query heads sharded) is not left to XLA: under an explicit mesh the
   jnp formulas and the Pallas kernels fail to trace on such operands (scan carries change
   type, sharded refs cannot be indexed). ``partitioned`` instead reshards, with
@@ -49,14 +52,16 @@ Design notes:
 * An op may also communicate inside the body: cross_entropy with the class axis sharded
   (logits from a vocabulary-sharded output projection) runs vocab-parallel, combining
   per-shard logsumexp, label logit and logit sum with ``pmax``/``psum`` over the axes
-  that shard the classes (``axes_of``); its backward needs no communication. embed with
-  the table sharded over the vocabulary likewise looks up the ids its shard holds and
-  psums the rows (Megatron-LM's vocab-parallel embedding); its backward scatters into
-  the local shard only. Both restore the loss cotangent with ``replicated_cotangent``.
+  that shard the classes (``axes_of``); its backward needs no communication (under Auto
+  axes the recomputed forward repeats the collectives). embed with the table sharded
+  over the vocabulary likewise looks up the ids its shard holds and psums the rows
+  (Megatron-LM's vocab-parallel embedding); its backward scatters into the local shard
+  only. Both restore their output's cotangent with ``replicated_cotangent``.
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
   gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
   axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
-  op (runs unpartitioned); under explicit axes, vmap over a dimension sharded on one mesh
+  op (runs unpartitioned) and second derivatives (custom_partitioning has no AD rule;
+  one-device meshes keep the op as is); under explicit axes, vmap over a dimension sharded on one mesh
   axis around an op that shards another dimension on a second axis (fails to trace: the
   shard_map is manual over every explicit axis, and one manual only over the axes the
   layout uses leaves the rest explicit inside, which the kernels' interpreter and some
@@ -69,7 +74,8 @@ for rms_norm: one letter per dimension, ``...`` for any number of leading dimens
 (all operands with ``...`` share them). Lower-case letters are dimensions the op is
 independent along: they may be sharded, and every operand carrying the same letter is
 given the same mesh axes (the first operand sharding it decides; an operand that is
-replicated there is resharded to match, which is a local slice). Upper-case letters are
+replicated there is resharded to match, which is a local slice); an ``axes_of`` letter is
+one the op reduces over itself with collectives. Upper-case letters are
 dimensions the op reduces or mixes over (the normalised axis, the softmax axis,
 attention's sequence and head dims): they are gathered if sharded. Leading ``...``
 dimensions align from the right across operands.
@@ -102,19 +108,27 @@ def _parse(signature: str):
     return [_parse_term(t) for t in ins.split(",")], [_parse_term(t) for t in outs.split(",")]
 
 
+def _mesh():
+    """The abstract mesh set with ``jax.set_mesh`` (or a shard_map's), None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or getattr(mesh, "empty", True) or not mesh.axis_names else mesh
+
+
 def _explicit_mesh():
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - very old jax
-        return None
-    if mesh is None or getattr(mesh, "empty", True) or not mesh.axis_names:
+    mesh = _mesh()
+    if mesh is None:
         return None
     # Explicit axes, possibly beside Manual ones (inside a user's shard_map over some axes):
     # the op partitions over the Explicit axes; the Manual ones are already per-device.
-    kinds = set(mesh.axis_types)
-    if jax.sharding.AxisType.Explicit not in kinds or jax.sharding.AxisType.Auto in kinds:
+    types = set(mesh.axis_types)
+    if jax.sharding.AxisType.Explicit not in types or jax.sharding.AxisType.Auto in types:
         return None
     return mesh
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside a vma-checked shard_map (else empty)."""
+    return frozenset(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", None) or ())
 
 
 def _explicit_axes(mesh) -> frozenset:
@@ -131,14 +145,12 @@ def vary_together(arrays):
     kernel's outputs can declare how they vary. Returns the arrays unchanged and None
     when nothing varies (everywhere else). ``None`` entries pass through.
     """
-    mats = [None if a is None else getattr(jax.typeof(a), "manual_axis_type", None) for a in arrays]
-    varying = frozenset().union(*(getattr(m, "varying", None) or () for m in mats))
+    varying = frozenset().union(*(_varying(a) for a in arrays if a is not None))
     if not varying:
         return tuple(arrays), None
-    out = tuple(
-        a if a is None or not varying - m.varying else jax.lax.pcast(a, tuple(sorted(varying - m.varying)), to="varying")
-        for a, m in zip(arrays, mats))
-    return out, type(next(m for m in mats if m is not None))(varying=varying)
+    out = vary_like(tuple(arrays), *(a for a in arrays if a is not None))
+    mat = next(jax.typeof(a).manual_axis_type for a in arrays if a is not None)
+    return out, type(mat)(varying=varying)
 
 
 def vary_like(tree, *refs):
@@ -147,32 +159,27 @@ def vary_like(tree, *refs):
     A ``lax.scan`` carry initialised with constants inside a user's vma-checked shard_map
     must vary as the carry its body produces from ``refs``; elsewhere a no-op.
     """
-    varying = frozenset().union(*(getattr(getattr(jax.typeof(r), "manual_axis_type", None), "varying", None) or ()
-                                  for r in refs))
+    varying = frozenset().union(*(_varying(r) for r in refs))
     if not varying:
         return tree
 
     def cast(a):
-        missing = varying - (getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", None) or frozenset())
+        missing = varying - _varying(a)
         return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
 
     return jax.tree_util.tree_map(cast, tree)
 
 
 def _refuse_mixed_mesh(signature, args):
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - very old jax
-        return
-    kinds = set(getattr(mesh, "axis_types", ()) or ())
-    if not {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= kinds:
+    mesh = _mesh()
+    if mesh is None or not {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= set(mesh.axis_types):
         return
     if any(a is not None and any(_spec_of(a, a.ndim)) for a in args):
         kinds = ", ".join(f"{n}={t.name}" for n, t in zip(mesh.axis_names, mesh.axis_types))
         raise ValueError(
             f"jaxbwd: an op with layout {signature!r} got an operand sharded on a mesh that mixes axis types "
             f"({kinds}); jaxbwd partitions under meshes whose axes are all Explicit or all Auto "
-            "(Manual axes of an enclosing shard_map may sit beside either)")
+            "(Manual axes of an enclosing shard_map may sit beside Explicit ones)")
 
 
 def _axes(entry) -> tuple:
@@ -181,10 +188,14 @@ def _axes(entry) -> tuple:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _spec_of(x, ndim):
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = tuple(getattr(sharding, "spec", ()) or ())
+def _normalised(spec, ndim):
+    """A PartitionSpec as one tuple of mesh axes per dimension, padded to ``ndim``."""
+    spec = tuple(spec or ())
     return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
+
+
+def _spec_of(x, ndim):
+    return _normalised(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()), ndim)
 
 
 def _expand(term, ndim):
@@ -254,14 +265,14 @@ def _layout(signature: str, args, mesh=None, specs=None):
 def spec(x) -> Optional[P]:
     """``x``'s PartitionSpec under an explicit-sharding mesh (padded to its rank), else None.
 
-    Passed as ``out_sharding`` to XLA contractions in a backward, so that a gradient keeps
-    its operand's sharding, as JAX's own transpose of ``dot_general`` does (explicit mode
-    otherwise refuses a contraction over a sharded dimension as ambiguous).
+    Passed as ``out_sharding`` to XLA contractions (matmul's forward and backward), so
+    that a result or gradient keeps the intended sharding, as JAX's own transpose of
+    ``dot_general`` does (explicit mode otherwise refuses a contraction over a sharded
+    dimension as ambiguous).
     """
     if _explicit_mesh() is None:
         return None
-    entries = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) or ())
-    return P(*(entries + (None,) * (x.ndim - len(entries))))
+    return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in _spec_of(x, x.ndim)))
 
 
 def matmul_out_spec(x, w) -> Optional[P]:
@@ -288,7 +299,8 @@ def replicated_cotangent(ct, axes: tuple):
     output's cotangent divided by ``n`` (it cannot know the copies are equal); an op whose
     forward made the copies equal with a collective (a psum over a vocabulary shard) wants
     the whole cotangent back. The divided values are equal on every device, so scaling by
-    ``n`` restores them exactly (``n`` a power of two) without a collective.
+    ``n`` restores them without a collective (exactly for a power-of-two ``n``, within
+    an ulp otherwise).
     """
     if not axes:
         return ct
@@ -299,7 +311,7 @@ def plan(signature: str, *args) -> Optional[tuple]:
     """(in_specs, out_specs) when the op will run per shard under ``shard_map``, else None.
 
     None means: no explicit mesh, or no dimension the op can split is sharded; the op then
-    runs unchanged (after gathering any dimension it cannot split, see ``partitioned``).
+    runs whole (after gathering any dimension it cannot split, see ``partitioned``).
     ``None`` arguments (absent optional operands) are skipped.
     """
     layout = _layout(signature, args)
@@ -377,18 +389,11 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
 
 # ---------------------------------------------------------------- meshes with Auto axes
 def _auto_mesh():
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - very old jax
-        return None
-    if mesh is None or getattr(mesh, "empty", True) or not mesh.axis_names:
+    """A mesh of Auto axes over more than one device (one device has nothing to split)."""
+    mesh = _mesh()
+    if mesh is None or math.prod(mesh.axis_sizes) == 1:
         return None
     return mesh if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types) else None
-
-
-def _normalised(spec, ndim):
-    spec = tuple(spec or ())
-    return tuple(_axes(e) for e in spec) + ((),) * (ndim - len(spec))
 
 
 def _sdy_rule(terms_in, terms_out):
@@ -415,7 +420,8 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
       takes the operands and the output cotangent and recomputes the op's forward on its
       shard before the op's own backward (``jax.vjp`` of ``fn``): saving the op's
       residuals would need a layout for each of them. The price is one extra forward
-      per backward, as under remat; the memory saved is the op's residuals.
+      (with its collectives, for a vocab-parallel op) per backward, as under remat; the
+      memory saved is the op's residuals.
       Gradients of operands replicated along sharded axes (a norm's weight) are psummed
       over those axes, as shard_map's transpose does under explicit axes.
     * ``custom_vmap`` around each: under ``vmap`` the op runs unpartitioned (correct,
@@ -429,10 +435,9 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     diff = [k for k, a in enumerate(ops) if jnp.issubdtype(a.dtype, jnp.inexact)]
     ins, outs = _parse(signature)
     if len(outs) != 1:
-        return fn(*args, **({} if axes_of is None else {"axes": ()}))
-    terms = [_expand(ins[i], ops[k].ndim) for k, i in enumerate(present)]
-    if any(t is None for t in terms):  # rank does not fit: let the op's own checks report it
-        return fn(*args, **({} if axes_of is None else {"axes": ()}))
+        raise ValueError(f"jaxbwd.sharding: the Auto-axes path takes one output, got signature {signature!r}")
+    if any(_expand(ins[i], ops[k].ndim) is None for k, i in enumerate(present)):
+        return fn(*args, **({} if axes_of is None else {"axes": ()}))  # rank misfit: the op's checks report it
 
     def has_consts(body, *xs):
         # custom_partitioning refuses a body that closes over array constants (e.g. a
@@ -467,7 +472,7 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
 
     # forward: op on shards
     def fwd_partition(mesh, arg_shapes, result_shape):
-        letters, in_specs, out_spec, axes = plan_for(mesh, arg_shapes)
+        _, in_specs, out_spec, axes = plan_for(mesh, arg_shapes)
         named = lambda sp: NamedSharding(mesh, sp)  # noqa: E731
         return mesh, lambda *local: call(local, axes), named(out_spec), tuple(named(sp) for sp in in_specs)
 
@@ -501,10 +506,7 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     fwd_cp, bwd_cp = custom_partitioning(lambda *local: call(local)), custom_partitioning(
         lambda *local: tuple(bwd_local(local[:-1], local[-1], ())))
     for cp, part, rule in ((fwd_cp, fwd_partition, rule_f), (bwd_cp, bwd_partition, rule_b)):
-        try:
-            cp.def_partition(partition=part, sharding_rule=rule, need_replication_factors=tuple(upper))
-        except TypeError:  # older jax: no need_replication_factors
-            cp.def_partition(partition=part, sharding_rule=rule)
+        cp.def_partition(partition=part, sharding_rule=rule, need_replication_factors=tuple(upper))
 
     def unpartitioned_vmap(body):
         def rule(axis_size, in_batched, *xs):

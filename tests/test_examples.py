@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -12,9 +13,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(args, tmp_path):
+def _run(args, tmp_path, env=None):
     out = subprocess.run([sys.executable, *args, "--out", str(tmp_path), "--no-progress"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -48,8 +49,9 @@ def test_train_lm_mesh_matches_single_device(tmp_path, implementation, axis_type
     """--mesh data=4,model=2 on 8 simulated CPU devices: the same loss curve as one device."""
     common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "4", "--max-bytes", "200000",
               "--implementation", implementation]
-    _run(common + ["--name", "one"], tmp_path)
-    stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2", "--axis-type", axis_type], tmp_path)
+    cpu = dict(os.environ, JAX_PLATFORMS="cpu")  # the 8 devices are simulated CPUs, on any host
+    _run(common + ["--name", "one"], tmp_path, env=cpu)
+    stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2", "--axis-type", axis_type], tmp_path, env=cpu)
     assert f"({axis_type} axes) on 8 cpu devices" in stdout
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())["train_loss"]
     mesh = json.loads((tmp_path / "mesh" / "metrics.json").read_text())

@@ -78,7 +78,8 @@ def _cases(jnp, jax, P, ndim_mesh):
             ("swiglu_tp", lambda g, u: jaxbwd.swiglu(g, u), (x, r(8, 4, 32)), (hid, hid), True),
             ("silu_tp", lambda x: jaxbwd.silu(x), (x,), (hid,), True),
             ("cross_entropy_vocab_tp", lambda l, y: jaxbwd.cross_entropy(l, y, reduction="none", z_loss=1e-3),
-             (r(8, 4, 64).at[1, 2, 5].set(-jnp.inf), labels), (P("data", None, "model"), P("data", None)), True),
+             # -inf logit; label 70 out of range (ignored)
+             (r(8, 4, 64).at[1, 2, 5].set(-jnp.inf), labels.at[3, 3].set(70)), (P("data", None, "model"), P("data", None)), True),
             ("cross_entropy_vocab_rows", lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.2),
              (r(8, 4, 64), labels), (P("model", None, "data"), P("model", None)), True),
             ("embed_vocab_tp", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)),
@@ -170,7 +171,13 @@ def _explicit_extras(jax, jnp, np, P, mesh):
     ce = lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.1)  # noqa: E731
     gg = jax.grad(lambda l, y: jnp.sum(jnp.sin(jax.grad(ce)(l, y))))
     body = lambda l, y, x, w: jaxbwd.cross_entropy(l, y, reduction="none") + jnp.sum(jaxbwd.rms_norm(x, w), -1)  # noqa: E731
+    # a user's vma-checked shard_map: w is invariant, its gradient the psum over "data"
+    vma_loss = lambda sm: (lambda x, w: jnp.sum(jnp.sin(sm(x, w))))  # noqa: E731
+    user_sm = jax.shard_map(lambda x, w: jaxbwd.rms_norm(x, w), in_specs=(P("data"), P()), out_specs=P("data"),
+                            check_vma=True)
     cases = [  # (name, fn under the mesh, the same on one device, args, specs)
+        ("user_shard_map_vma_weight_grad", jax.grad(vma_loss(user_sm), argnums=1),
+         jax.grad(vma_loss(lambda x, w: jaxbwd.rms_norm(x, w)), argnums=1), (x, w), (P("data"), P())),
         ("cross_entropy_vocab_grad_grad", gg, gg, (logits, labels), (P("data", None, "model"), P("data"))),
         ("partial_shard_map_ops",
          jax.shard_map(body, in_specs=(P("data"), P("data"), P("data"), P()), out_specs=P("data"), axis_names={"data"}),
@@ -180,14 +187,17 @@ def _explicit_extras(jax, jnp, np, P, mesh):
     for implementation in ("xla", "pallas"):
         with jaxbwd.config.use(implementation=implementation, interpret=True):
             for name, fn, ref, args, specs in cases:
-                if name.endswith("grad_grad") and implementation == "pallas":
-                    continue  # a kernel backward has no derivative of its own
+                if implementation == "pallas" and name.endswith(("grad_grad", "vma_weight_grad")):
+                    continue  # a kernel backward has no derivative; interpret mode cannot run vma-checked
                 want = jax.jit(ref)(*args)
                 with jax.set_mesh(mesh):
-                    got = jax.jit(fn)(*(jax.device_put(a, s) for a, s in zip(args, specs)))
+                    sharded = [jax.device_put(a, s) for a, s in zip(args, specs)]
+                    got = jax.jit(fn)(*sharded)
+                    hlo = jax.jit(fn).lower(*sharded).compile().as_text()
                 err = float(np.max(np.abs(np.asarray(got) - np.asarray(want)) / (1.0 + np.abs(np.asarray(want)))))
-                out.append({"impl": implementation, "op": name, "err": err, "gather_ok": True, "all_gather": False,
-                            "y_spec": str(got.sharding.spec), "custom_partitioned": 0})
+                out.append({"impl": implementation, "op": name, "err": err, "gather_ok": False,
+                            "all_gather": "all-gather" in hlo, "y_spec": str(got.sharding.spec), "custom_partitioned": 0,
+                            "replicated_ok": name.endswith("weight_grad")})
     return out
 
 
@@ -223,13 +233,13 @@ def test_ops_partition_without_gathering(mesh_name):
     assert not bad, f"sharded run differs from the single-device run: {bad}"
     gathered = [r for r in results if r["all_gather"] and not r["gather_ok"]]
     assert not gathered, f"compiled HLO gathers activations: {gathered}"
-    # a reduced loss is a replicated scalar; a vocab-parallel loss is replicated over the
-    # vocab axes; embed_vocab's ids are replicated, so are its rows
-    unsharded = [r for r in results if not r["op"].startswith("cross_entropy") and r["op"] != "embed_vocab"
-                 and not r["op"].endswith("_replicated") and "data" not in r["y_spec"]]
+    # a reduced loss is a replicated scalar; embed_vocab's ids are replicated, so are its rows
+    unsharded = [r for r in results if r["y_spec"] != "P()" and r["op"] != "embed_vocab"
+                 and not r["op"].endswith("_replicated") and not r.get("replicated_ok") and "data" not in r["y_spec"]]
     if "x" in mesh_name and not mesh_name.endswith("-auto"):
         extras = {(r["impl"], r["op"]) for r in results}
-        assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops")} <= extras
+        assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops"),
+                ("xla", "user_shard_map_vma_weight_grad")} <= extras
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
@@ -237,6 +247,23 @@ def test_ops_partition_without_gathering(mesh_name):
         ops = [r for r in results if not r["op"].startswith(("matmul", "vmap"))]
         missed = [(r["impl"], r["op"]) for r in ops if r["custom_partitioned"] < 2]
         assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
+
+
+def test_mixed_axis_types_refused_clearly():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    import jaxbwd
+
+    if not hasattr(jax, "set_mesh"):
+        pytest.skip("jax.set_mesh absent in this jax")
+    mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((4, 8)), P("a"))
+        with pytest.raises(ValueError, match="mixes axis types"):
+            jaxbwd.rms_norm(x, jnp.ones((8,)))
+        jaxbwd.rms_norm(jnp.ones((4, 8)), jnp.ones((8,)))  # nothing sharded: runs
 
 
 # ------------------------------------------------ inside a user's vma-checked shard_map
@@ -264,9 +291,11 @@ def _user_shard_map_cases(jnp, jax):
 def test_ops_inside_vma_checked_shard_map():
     """Inside ``jax.shard_map(..., check_vma=True)`` an op mixes a varying activation with
     an invariant weight: the weight's gradient must be the psum of the per-device ones.
-    XLA path: run on one CPU device (a manual axis of size 1 is enough for the type rules)
-    against the plain run. Pallas path: lowered for CUDA (interpret mode cannot run under
-    vma checking), the kernels must be there."""
+    The out_specs declare the weights' gradients invariant, which shard_map accepts only if
+    that psum is there; on a manual axis of size 1 the values (XLA path, run on one CPU
+    device, against the plain run) cannot tell a psum from none, so this checks typing and
+    values, not the size of the sum (the 8-device worker checks the sum, ``user_shard_map_vma_weight_grad``). Pallas path:
+    lowered for CUDA (interpret mode cannot run under vma checking), kernels present."""
     import jax
     import jax.numpy as jnp
     import numpy as np

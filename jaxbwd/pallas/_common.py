@@ -157,7 +157,8 @@ def call(
     bytes_accessed: int = 0,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
-    mask their own tiles), a name, a cost estimate and Triton compiler parameters."""
+    mask their own tiles), a name, a cost estimate and Triton compiler parameters; inside
+    a vma-checked shard_map the outputs declare the manual axes they vary over."""
     _check_can_run(name, interpret)
 
     def launch(*args):

@@ -94,7 +94,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
 
     Residuals: ids only (plus a zero-size carrier of the table's shape and dtype).
 
-    Sharding: under ``jax.set_mesh`` with explicit axes, ids may be sharded (data
+    Sharding: under ``jax.set_mesh`` (explicit or Auto axes), ids may be sharded (data
     parallel) and the table may be sharded over V (vocab-parallel: each shard looks up
     the ids it holds, one psum of the [..., D] rows; the table is never gathered).
 

@@ -8,8 +8,9 @@ softmax. Backward: the Pallas ``cross_entropy_bwd`` kernel or the same formula i
 
 Vocab-parallel: under an explicit-sharding mesh with the class axis sharded (the logits
 of a vocabulary-sharded output projection), each device runs the kernels on its
-vocabulary shard and the [rows] partials are combined with one ``pmax`` and three
-``psum`` (the Megatron-LM scheme, Shoeybi et al. 2019); the logits are never gathered.
+vocabulary shard and the [rows] partials are combined with one ``pmax`` and two
+``psum`` (three with label smoothing; the Megatron-LM scheme, Shoeybi et al. 2019); the
+logits are never gathered.
 """
 from __future__ import annotations
 
@@ -168,7 +169,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Residuals: logits, labels (int32) and the per-row logsumexp [rows] float32: O(rows)
     beyond the logits; no [rows, V] softmax is saved.
 
-    Sharding: under ``jax.set_mesh`` with explicit axes, rows may be sharded (data
+    Sharding: under ``jax.set_mesh`` (explicit or Auto axes), rows may be sharded (data
     parallel) and so may the class axis V (vocab-parallel: per-shard partials combined by
     collectives over [rows] vectors; the logits are never gathered). See
     :mod:`jaxbwd.sharding`.

@@ -50,13 +50,14 @@ def _bilinear_matrix(n_in: int, s: int, dtype):
     clamped: the same weights as ``jax.image.resize(..., "bilinear")``. Built from iotas
     (not a numpy constant) so that the traced op carries no constants, which
     ``custom_partitioning`` (the Auto-axes path of jaxbwd.sharding) does not accept."""
-    u = (jnp.arange(n_in * s, dtype=jnp.float32) + 0.5) / s - 0.5
-    i0 = jnp.floor(u)
-    f = (u - i0)[:, None]
+    # output pixel o samples u = (o + 0.5) / s - 0.5 = (2o + 1 - s) / 2s: integer arithmetic
+    # gives the tap i0 = floor(u) and the weight f = u - i0 exactly, then one rounding
+    num = 2 * jnp.arange(n_in * s, dtype=jnp.int32) + 1 - s
+    i0 = jnp.floor_divide(num, 2 * s)
+    f = ((num - i0 * 2 * s).astype(dtype) / (2 * s))[:, None]
     cols = jnp.arange(n_in, dtype=jnp.int32)[None, :]
-    lo = jnp.clip(i0, 0, n_in - 1).astype(jnp.int32)[:, None]
-    hi = jnp.clip(i0 + 1, 0, n_in - 1).astype(jnp.int32)[:, None]
-    return (jnp.where(cols == lo, 1.0 - f, 0.0) + jnp.where(cols == hi, f, 0.0)).astype(dtype)
+    lo, hi = jnp.clip(i0, 0, n_in - 1)[:, None], jnp.clip(i0 + 1, 0, n_in - 1)[:, None]
+    return jnp.where(cols == lo, 1.0 - f, 0.0).astype(dtype) + jnp.where(cols == hi, f, 0.0).astype(dtype)
 
 
 def _bilinear_apply(x, sh, sw, transpose=False):
