@@ -340,7 +340,12 @@ def main(argv=None) -> int:
         if cfg.batch_size % mesh_axes.get("data", 1):
             p.error(f"--mesh: batch size {cfg.batch_size} is not divisible by data={mesh_axes['data']}")
         shard = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-        params = jax.tree_util.tree_map(shard, params, param_specs(params, mesh, cfg))
+        specs = param_specs(params, mesh, cfg)
+        params = jax.tree_util.tree_map(shard, params, specs)
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+        whole = sorted({path[-2].key for path, sp in flat if path[-1].key == "kernel" and sp == jax.sharding.PartitionSpec()})
+        if mesh_axes.get("model", 1) > 1 and whole:
+            print(f"note: model={mesh_axes['model']} does not divide their heads or width; replicated: {', '.join(whole)}")
         batch_spec = jax.sharding.PartitionSpec("data" if "data" in mesh_axes else None)
         put = lambda *a: tuple(shard(np.asarray(b), batch_spec) for b in a)  # noqa: E731
         print(f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} ({args.axis_type} axes) on {mesh.size} "
@@ -369,7 +374,8 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
         return float(np.mean([float(eval_loss_fn(params, *put(*next(it)))) for _ in range(cfg.eval_batches)]))
 
     unigram = unigram_bits_per_byte(train, held)
-    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}"
+    mesh_tag = f"-{args.mesh.replace('=', '').replace(',', '-')}-{args.axis_type}" if args.mesh else ""
+    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}{mesh_tag}"
     out = pathlib.Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     print(f"jax {jax.__version__} on {jax.default_backend()}; {n_params:,} params; corpus {len(train):,} train "
@@ -393,7 +399,9 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             ev = evaluate(params)
             evals.append({"step": step + 1, "loss": ev, "bits_per_byte": ev / math.log(2)})
-            bar.write(f"step {step + 1}: held-out loss {ev:.4f} nats = {ev / math.log(2):.3f} bits/byte")
+            recent = history[-cfg.eval_every:]
+            bar.write(f"step {step + 1}: train loss {sum(recent) / len(recent):.4f}, held-out loss {ev:.4f} nats "
+                      f"= {ev / math.log(2):.3f} bits/byte")
         x, y = next(train_it)
     bar.close()
 

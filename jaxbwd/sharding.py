@@ -82,6 +82,7 @@ dimensions align from the right across operands.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional
 
@@ -89,7 +90,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent", "vary_together", "vary_like"]
+__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent", "vary_together", "vary_like",
+           "operands_mesh"]
 
 _ELLIPSIS = "."
 
@@ -168,6 +170,26 @@ def vary_like(tree, *refs):
         return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
 
     return jax.tree_util.tree_map(cast, tree)
+
+
+def _operands_mesh(args):
+    """With no mesh set: the mesh of explicitly sharded operands, if any (else None)."""
+    if _mesh() is not None:
+        return None
+    for a in args:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None) if a is not None else None
+        if mesh is not None and jax.sharding.AxisType.Explicit in set(getattr(mesh, "axis_types", ())) \
+                and any(_spec_of(a, a.ndim)):
+            return getattr(mesh, "abstract_mesh", mesh)
+    return None
+
+
+def operands_mesh(*args):
+    """A context entering the mesh of explicitly sharded operands when no mesh is set
+    (``jit`` of arrays placed with explicit-axis NamedShardings, without ``jax.set_mesh``),
+    so that an op partitions as under ``jax.set_mesh``; a no-op otherwise."""
+    own = _operands_mesh(args)
+    return contextlib.nullcontext() if own is None else jax.sharding.use_abstract_mesh(own)
 
 
 def _refuse_mixed_mesh(signature, args):
@@ -263,15 +285,17 @@ def _layout(signature: str, args, mesh=None, specs=None):
 
 
 def spec(x) -> Optional[P]:
-    """``x``'s PartitionSpec under an explicit-sharding mesh (padded to its rank), else None.
+    """``x``'s PartitionSpec (padded to its rank) when it is typed on an explicit-sharding
+    mesh (set with ``jax.set_mesh``, or carried by the array itself), else None.
 
     Passed as ``out_sharding`` to XLA contractions (matmul's forward and backward), so
     that a result or gradient keeps the intended sharding, as JAX's own transpose of
     ``dot_general`` does (explicit mode otherwise refuses a contraction over a sharded
     dimension as ambiguous).
     """
-    if _explicit_mesh() is None:
-        return None
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if _explicit_mesh() is None and jax.sharding.AxisType.Explicit not in set(getattr(mesh, "axis_types", ()) or ()):
+        return None  # neither an explicit mesh set nor an operand typed on one
     return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in _spec_of(x, x.ndim)))
 
 
@@ -345,6 +369,9 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     """
     if _auto_mesh() is not None:
         return _auto_partitioned(signature, fn, args, axes_of)
+    if _operands_mesh(args) is not None:  # explicitly sharded operands, no mesh set: use theirs
+        with operands_mesh(*args):
+            return partitioned(signature, fn, *args, axes_of=axes_of)
     _refuse_mixed_mesh(signature, args)
     args, _ = vary_together(args)  # inside a user's vma-checked shard_map
     layout = _layout(signature, args)
@@ -381,9 +408,13 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
             full[i] = a
         return fn(*full, **extra(letters))
 
+    mesh = _explicit_mesh()
+    # Inside a user's shard_map over some axes, only the Explicit ones are ours to take;
+    # otherwise leave shard_map its default (under a vmap whose mapped dimension is
+    # sharded, that default already excludes the axis the batch holds).
+    manual = {"axis_names": _explicit_axes(mesh)} if len(_explicit_axes(mesh)) < len(mesh.axis_names) else {}
     return jax.shard_map(
-        body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False,
-        axis_names=_explicit_axes(_explicit_mesh()),
+        body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False, **manual,
     )(*operands)
 
 
@@ -394,6 +425,24 @@ def _auto_mesh():
     if mesh is None or math.prod(mesh.axis_sizes) == 1:
         return None
     return mesh if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types) else None
+
+
+def _mesh_spec(sharding, mesh):
+    """An operand's sharding, as handed to a partition callback, as a PartitionSpec of ``mesh``.
+
+    XLA's propagation may split a mesh axis into sub-axes (a dimension of 2 sharded over
+    2 of an axis of 4 devices), a tiling no PartitionSpec spells; JAX's own decoding
+    raises on it. Such an operand is read as replicated: the layout then comes from the
+    other operands and XLA reshards this one to it (correct, at the cost of a reshard).
+    """
+    if getattr(sharding, "spec", None) is not None:
+        return sharding.spec
+    try:  # no public HloSharding -> PartitionSpec conversion
+        from jax._src.sharding_impls import parse_flatten_op_sharding
+
+        return parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
+    except Exception:
+        return P()
 
 
 def _sdy_rule(terms_in, terms_out):
@@ -456,7 +505,7 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     def plan_for(mesh, shapes):
         specs = [None] * len(args)
         for i, sh in zip(present, shapes):
-            specs[i] = _normalised(getattr(sh.sharding, "spec", ()), len(sh.shape))
+            specs[i] = _normalised(_mesh_spec(sh.sharding, mesh), len(sh.shape))
         layout = _layout(signature, full(shapes), mesh=mesh, specs=specs)
         letters, _, in_specs, out_spec = layout
         axes = tuple(letters.get(axes_of, ())) if axes_of else ()
@@ -506,7 +555,9 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     fwd_cp, bwd_cp = custom_partitioning(lambda *local: call(local)), custom_partitioning(
         lambda *local: tuple(bwd_local(local[:-1], local[-1], ())))
     for cp, part, rule in ((fwd_cp, fwd_partition, rule_f), (bwd_cp, bwd_partition, rule_b)):
-        cp.def_partition(partition=part, sharding_rule=rule, need_replication_factors=tuple(upper))
+        # decode_shardings=False: operand shardings arrive as XLA's; _mesh_spec reads them
+        cp.def_partition(partition=part, sharding_rule=rule, need_replication_factors=tuple(upper),
+                         decode_shardings=False)
 
     def unpartitioned_vmap(body):
         def rule(axis_size, in_batched, *xs):

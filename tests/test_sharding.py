@@ -23,10 +23,10 @@ import sys
 
 import pytest
 
-MESHES = {"8": (8,), "4x2": (4, 2), "2x4": (2, 4), "4x2-auto": (4, 2)}
+MESHES = {"8": (8,), "4x2": (4, 2), "2x4": (2, 4), "4x2-auto": (4, 2), "2x4-auto": (2, 4)}
 
 
-def _cases(jnp, jax, P, ndim_mesh):
+def _cases(jnp, jax, P, ndim_mesh, auto=False):
     """(name, fn(*args) -> array, args, specs, kind): kind False (data parallel), True
     (tensor parallel) or "gather" (a layout the op cannot split: an all-gather is expected)."""
     import jaxbwd
@@ -108,6 +108,10 @@ def _cases(jnp, jax, P, ndim_mesh):
             ("cross_entropy_replicated", lambda l, y: jaxbwd.cross_entropy(l, y), (r(8, 4, 64), labels), (P(), P()), "gather"),
             ("conv2d_replicated", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)),
              (P(), P()), "gather"),
+            *([("gqa_flat_projections_uneven_heads",  # 2 kv heads over model=2 or 4: XLA may split
+                 lambda q, k: jaxbwd.dot_product_attention(q.reshape(8, 8, 4, 8), k.reshape(8, 8, 2, 8),
+                                                           k.reshape(8, 8, 2, 8), is_causal=True),
+                 (r(8, 8, 32), r(8, 8, 16)), (P("data", None, "model"),) * 2, "gather")] if auto else []),
             ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
              (q, r(8, 8, 1, 16), r(8, 8, 1, 16)), (heads, P("data"), P("data")), "gather"),
         ]
@@ -128,7 +132,7 @@ def _worker(mesh_name):
     results = []
     for implementation in ("xla", "pallas"):
         with jaxbwd.config.use(implementation=implementation, interpret=True):
-            for name, fn, args, specs, _tp in _cases(jnp, jax, P, len(shape)):
+            for name, fn, args, specs, _tp in _cases(jnp, jax, P, len(shape), auto):
                 diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
 
                 def loss(*a, fn=fn, diff=diff):
@@ -175,7 +179,11 @@ def _explicit_extras(jax, jnp, np, P, mesh):
     vma_loss = lambda sm: (lambda x, w: jnp.sum(jnp.sin(sm(x, w))))  # noqa: E731
     user_sm = jax.shard_map(lambda x, w: jaxbwd.rms_norm(x, w), in_specs=(P("data"), P()), out_specs=P("data"),
                             check_vma=True)
+    vm = jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.sin(jaxbwd.rms_norm(x, w))), argnums=(0, 1)), in_axes=(0, None))
     cases = [  # (name, fn under the mesh, the same on one device, args, specs)
+        # vmap over a dimension sharded on "data" around an op sharding its rows on "model"
+        ("vmap_sharded_axis_rms_norm", lambda x, w: vm(x, w)[0], lambda x, w: vm(x, w)[0],
+         (logits.reshape(4, 8, 64), jnp.concatenate([w, w])), (P("data", "model"), P())),
         ("user_shard_map_vma_weight_grad", jax.grad(vma_loss(user_sm), argnums=1),
          jax.grad(vma_loss(lambda x, w: jaxbwd.rms_norm(x, w)), argnums=1), (x, w), (P("data"), P())),
         ("cross_entropy_vocab_grad_grad", gg, gg, (logits, labels), (P("data", None, "model"), P("data"))),
@@ -187,8 +195,9 @@ def _explicit_extras(jax, jnp, np, P, mesh):
     for implementation in ("xla", "pallas"):
         with jaxbwd.config.use(implementation=implementation, interpret=True):
             for name, fn, ref, args, specs in cases:
-                if implementation == "pallas" and name.endswith(("grad_grad", "vma_weight_grad")):
+                if implementation == "pallas" and name.endswith(("grad_grad", "vma_weight_grad", "sharded_axis_rms_norm")):
                     continue  # a kernel backward has no derivative; interpret mode cannot run vma-checked
+                    # or a vmap over a sharded axis (JAX's interpreter; GPU untested)
                 want = jax.jit(ref)(*args)
                 with jax.set_mesh(mesh):
                     sharded = [jax.device_put(a, s) for a, s in zip(args, specs)]
@@ -239,7 +248,7 @@ def test_ops_partition_without_gathering(mesh_name):
     if "x" in mesh_name and not mesh_name.endswith("-auto"):
         extras = {(r["impl"], r["op"]) for r in results}
         assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops"),
-                ("xla", "user_shard_map_vma_weight_grad")} <= extras
+                ("xla", "user_shard_map_vma_weight_grad"), ("xla", "vmap_sharded_axis_rms_norm")} <= extras
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
@@ -249,9 +258,10 @@ def test_ops_partition_without_gathering(mesh_name):
         assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
 
 
-def test_mixed_axis_types_refused_clearly():
+def test_mixed_meshes_refused_and_operand_meshes_used():
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import AxisType, PartitionSpec as P
 
     import jaxbwd
@@ -264,6 +274,14 @@ def test_mixed_axis_types_refused_clearly():
         with pytest.raises(ValueError, match="mixes axis types"):
             jaxbwd.rms_norm(x, jnp.ones((8,)))
         jaxbwd.rms_norm(jnp.ones((4, 8)), jnp.ones((8,)))  # nothing sharded: runs
+    explicit = jax.make_mesh((1,), ("a",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    x = jax.device_put(jnp.ones((4, 8)), jax.sharding.NamedSharding(explicit, P("a")))
+    # explicitly sharded operands and no mesh set: the op takes the operands' mesh
+    y = jax.jit(lambda x: jaxbwd.rms_norm(x, jnp.ones((8,))))(x)
+    assert y.sharding.spec[0] == "a"
+    # matmul's wgrad contracts over the sharded rows: it needs that mesh too
+    dw = jax.jit(jax.grad(lambda x, w: jnp.sum(jaxbwd.matmul(x, w)), argnums=1))(x, jnp.ones((8, 3)))
+    np.testing.assert_allclose(np.asarray(dw), 4.0)
 
 
 # ------------------------------------------------ inside a user's vma-checked shard_map

@@ -71,7 +71,8 @@ def matmul(x, w, *, implementation=None):
             f"jaxbwd.matmul: w must have shape [K={x.shape[-1]}, M] to match x's last dim, got {tuple(w.shape)}"
         )
     B.impl(implementation, op)
-    return _matmul(x, w)
+    with S.operands_mesh(x, w):  # out_sharding needs the mesh of explicitly sharded operands
+        return _matmul(x, w)
 
 
 # ---------------------------------------------------------------------------- bias_add
