@@ -61,11 +61,10 @@ Design notes:
   gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
   axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
   op (runs unpartitioned) and second derivatives (custom_partitioning has no AD rule;
-  one-device meshes keep the op as is); under explicit axes, vmap over a dimension sharded on one mesh
-  axis around an op that shards another dimension on a second axis (fails to trace: the
-  shard_map is manual over every explicit axis, and one manual only over the axes the
-  layout uses leaves the rest explicit inside, which the kernels' interpreter and some
-  jnp steps reject). matmul, scale, residual_add, reshape and row_slice
+  one-device meshes keep the op as is); under explicit axes, vmap over a dimension
+  sharded on one mesh axis around an op that shards another dimension on a second axis
+  runs on the XLA path, while the Pallas kernels fail to trace in interpret mode (JAX's
+  interpreter meets a mesh that is part Explicit, part Manual; untested on GPU). matmul, scale, residual_add, reshape and row_slice
   have XLA backwards and are partitioned by XLA itself (matmul over output columns and
   rows included; under explicit axes it states its ``out_sharding``).
 
@@ -90,8 +89,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent", "vary_together", "vary_like",
-           "operands_mesh"]
+__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent",
+           "vary_together", "vary_like", "operands_mesh"]
 
 _ELLIPSIS = "."
 
@@ -208,6 +207,14 @@ def _axes(entry) -> tuple:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _refill(args, present, values):
+    """``args`` with the entries at ``present`` (the non-None operands) replaced by ``values``."""
+    out = list(args)
+    for i, v in zip(present, values):
+        out[i] = v
+    return out
 
 
 def _normalised(spec, ndim):
@@ -393,20 +400,14 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
         # switched to Auto (explicit-mode typing rejects some of its internal steps, e.g.
         # Pallas's interpreter; XLA has nothing to partition in a replicated op).
         def whole(*ops):
-            full = list(args)
-            for i, a in zip(present, ops):
-                full[i] = a
-            return fn(*full, **extra({}))
+            return fn(*_refill(args, present, ops), **extra({}))
 
         # replicated at any rank (the op may already have reduced its output, e.g. a mean loss)
         out_sharding = jax.tree_util.tree_map(lambda _: P(), out_specs, is_leaf=lambda x: isinstance(x, P))
         return jax.sharding.auto_axes(whole, out_sharding=out_sharding)(*operands)
 
     def body(*local):
-        full = [None] * len(args)
-        for i, a in zip(present, local):
-            full[i] = a
-        return fn(*full, **extra(letters))
+        return fn(*_refill(args, present, local), **extra(letters))
 
     mesh = _explicit_mesh()
     # Inside a user's shard_map over some axes, only the Explicit ones are ours to take;
@@ -493,20 +494,14 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
         # numpy table baked in): such an op runs unpartitioned rather than fail
         return bool(jax.make_jaxpr(body)(*xs).consts)
 
-    def full(local):
-        out = [None] * len(args)
-        for i, a in zip(present, local):
-            out[i] = a
-        return out
-
     def call(local, axes=()):
-        return fn(*full(local), **({} if axes_of is None else {"axes": axes}))
+        return fn(*_refill(args, present, local), **({} if axes_of is None else {"axes": axes}))
 
     def plan_for(mesh, shapes):
         specs = [None] * len(args)
         for i, sh in zip(present, shapes):
             specs[i] = _normalised(_mesh_spec(sh.sharding, mesh), len(sh.shape))
-        layout = _layout(signature, full(shapes), mesh=mesh, specs=specs)
+        layout = _layout(signature, _refill(args, present, shapes), mesh=mesh, specs=specs)
         letters, _, in_specs, out_spec = layout
         axes = tuple(letters.get(axes_of, ())) if axes_of else ()
         return letters, [in_specs[i] for i in present], out_spec, axes
