@@ -1,0 +1,760 @@
+"""Compile jaxbwd's Pallas kernels for real GPUs on a machine without one, and read their
+machine code (``python -m jaxbwd compile``).
+
+XLA's GPU compiler runs *deviceless*: given a target description of a GPU (a
+``GpuTargetConfigProto``: SM count, compute capability, shared memory, registers), the CUDA
+PJRT plugin compiles a jitted function for that GPU on a CPU-only machine, running XLA's
+bundled Triton for the Pallas kernels and linking with nvJitLink, exactly as it would on the
+GPU. This module drives that compiler over the registry's realistic lowering shapes and reads
+every figure from what XLA wrote:
+
+- the kernel cache file XLA writes (``xla_gpu_kernel_cache_file``): for each kernel its
+  launch grid, threads per block, dynamic shared memory, the Triton configuration
+  (``num_warps``, ``num_stages``) and the cubin;
+- ``cuobjdump -res-usage`` of that cubin: registers per thread, stack frame (where spills
+  go), static shared memory and local memory;
+- ``cuobjdump -sass``: the SASS instruction mix (tensor-core ``HGMMA``/``HMMA``,
+  ``MUFU.EX2``, spill stores ``STL``, libdevice ``expf`` sequences).
+
+Occupancy (blocks and warps per SM, and what limits them) and waves over the SM count are
+computed from those figures and the target's published limits with CUDA's occupancy rules
+(register allocation per warp in units of 256, four SM sub-partitions, 1 KiB of shared
+memory reserved per block); ``bytes``/``flops`` are the kernel's own ``pallas_call`` cost
+estimate next to the kernel's minimum bytes (each operand read once and each result written
+once).
+
+What it needs: the CUDA PJRT plugin and three small NVIDIA wheels (``pip install -e
+".[compile]"``: jax-cuda13-plugin/pjrt, nvJitLink, cuobjdump, nvdisasm, about 195 MB to
+download), on Python >= 3.12 with jax 0.12.0.1. XLA's flags are per process, so compiles run
+in worker processes (``jobs`` of them); each compile writes its own kernel cache file.
+
+This is the one module that knows about XLA's GPU compiler, its cache format and NVIDIA's
+tools; the registry stays the single list of what is compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+# ----------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """A GPU to compile for, described by its published limits.
+
+    Figures from NVIDIA's H100/H200/A100/B200 datasheets and the CUDA C++ Programming Guide's
+    table of compute-capability limits (max 2048 threads, 32 blocks and 64K 32-bit registers
+    per SM on sm_80/sm_90/sm_100).
+    """
+
+    name: str
+    device_kind: str
+    sm: int  # compute capability major*10 + minor
+    arch: str  # the architecture XLA compiles for ("sm_90a")
+    core_count: int  # SMs
+    smem_per_sm: int  # bytes of shared memory an SM can give to blocks
+    smem_per_block_optin: int  # bytes one block may use (opt-in limit)
+    memory_bandwidth: int  # bytes/s
+    clock_rate_ghz: float
+    l2_cache_size: int
+    device_memory_size: int
+    regs_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    reserved_smem_per_block: int = 1024
+
+    @property
+    def max_warps_per_sm(self) -> int:
+        return self.max_threads_per_sm // 32
+
+    def target_config(self) -> str:
+        """The ``stream_executor.GpuTargetConfigProto`` text XLA compiles against."""
+        major, minor = divmod(self.sm, 10)
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.smem_per_sm}
+  threads_per_core_limit: {self.max_threads_per_sm}
+  core_count: {self.core_count}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {self.memory_bandwidth}
+  l2_cache_size: {self.l2_cache_size}
+  clock_rate_ghz: {self.clock_rate_ghz}
+  device_memory_size: {self.device_memory_size}
+  shared_memory_per_block_optin: {self.smem_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: {self.regs_per_sm}
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{self.device_kind}"
+"""
+
+
+GPUS: dict[str, GpuTarget] = {
+    t.name: t
+    for t in (
+        GpuTarget("h200", "NVIDIA H200", 90, "sm_90a", 132, 233472, 232448, 4_800_000_000_000, 1.98,
+                  50 * 2**20, 141 * 10**9),
+        GpuTarget("h100", "NVIDIA H100 80GB HBM3", 90, "sm_90a", 132, 233472, 232448, 3_350_000_000_000, 1.98,
+                  50 * 2**20, 80 * 2**30),
+        GpuTarget("a100", "NVIDIA A100-SXM4-80GB", 80, "sm_80", 108, 167936, 166912, 2_039_000_000_000, 1.41,
+                  40 * 2**20, 80 * 2**30),
+        GpuTarget("b200", "NVIDIA B200", 100, "sm_100a", 148, 233472, 232448, 8_000_000_000_000, 1.965,
+                  126 * 2**20, 180 * 10**9),
+    )
+}
+
+# --------------------------------------------------------------------- requirements
+
+# (import name, pip package) of what a deviceless compile needs.
+_REQUIRED = (
+    ("jax_plugins.xla_cuda13", "jax-cuda13-pjrt"),
+    ("jax_cuda13_plugin", "jax-cuda13-plugin"),
+)
+_TOOLS = (("cuobjdump", "nvidia-cuda-cuobjdump"), ("nvdisasm", "nvidia-cuda-nvdisasm"))
+_LIBS = (("libnvJitLink.so", "nvidia-nvjitlink"),)
+INSTALL_HINT = 'pip install -e ".[compile]"  (Python >= 3.12; brings jax 0.12.0.1\'s CUDA plugin and NVIDIA\'s cuobjdump/nvdisasm/nvJitLink)'
+
+
+def _nvidia_dirs(sub: str) -> list[str]:
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out = []
+    for root in spec.submodule_search_locations:
+        for d in sorted(os.listdir(root)):
+            p = os.path.join(root, d, sub)
+            if os.path.isdir(p):
+                out.append(p)
+    return out
+
+
+def tool_path(name: str) -> Optional[str]:
+    """Path of NVIDIA tool ``name`` from its pip wheel (``nvidia/cu*/bin``) or the PATH."""
+    for d in _nvidia_dirs("bin"):
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    return shutil.which(name)
+
+
+def missing_requirements() -> list[str]:
+    """The pip packages a deviceless compile needs that are not installed ([] when ready)."""
+    missing = []
+    for mod, pkg in _REQUIRED:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(pkg)
+    for tool, pkg in _TOOLS:
+        if tool_path(tool) is None:
+            missing.append(pkg)
+    for lib, pkg in _LIBS:
+        if not any(f.startswith(lib) for d in _nvidia_dirs("lib") for f in os.listdir(d)):
+            missing.append(pkg)
+    if sys.version_info < (3, 12):
+        missing.append("Python >= 3.12 (jax 0.12's CUDA plugin)")
+    return missing
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One compile: an op's lowering example, its float inputs cast to ``dtype``, for ``gpu``."""
+
+    op: str
+    example: int  # index into the op's ``lowering`` examples
+    shape_name: str
+    dtype: str
+    gpu: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}/{self.shape_name}/{self.dtype}/{self.gpu}"
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _shape_name(name: str) -> str:
+    # Lowering examples carry their own dtype in their name; the case's dtype column replaces it.
+    return re.sub(r"-?(bf16|f32|f16|bfloat16|float32|float16)(?=-|$)", "", name).strip("-") or name
+
+
+def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
+          gpus: Sequence[str] = ("h200",)) -> list[Case]:
+    """Every (op, lowering example, dtype, gpu) to compile, from the registry.
+
+    Examples that differ only in dtype collapse into one case per dtype.
+    """
+    from jaxbwd import registry
+
+    out, seen = [], set()
+    for spec in registry.ops(ops):
+        if not spec.has_kernels:
+            continue
+        for i, ex in enumerate(spec.lowering):
+            args, kwargs = ex.make(None, None)
+            key = (spec.name, tuple(getattr(a, "shape", a) for a in args), repr(sorted(kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            name = _shape_name(ex.name)
+            if any(c.op == spec.name and c.shape_name == name for c in out):  # same shapes, other params
+                name += "-" + ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+            for dt in dtypes:
+                for g in gpus:
+                    out.append(Case(spec.name, i, name, dt, g))
+    return out
+
+
+# ------------------------------------------------------------- reading XLA's outputs
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    r = s = 0
+    while True:
+        c = b[i]
+        i += 1
+        r |= (c & 0x7F) << s
+        s += 7
+        if not c & 0x80:
+            return r, i
+
+
+def _fields(b: bytes) -> list[tuple[int, Any]]:
+    """Protobuf wire format: [(field number, int | bytes)] (no schema needed)."""
+    out, i = [], 0
+    while i < len(b):
+        key, i = _varint(b, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _varint(b, i)
+        elif wire == 2:
+            n, i = _varint(b, i)
+            v, i = b[i:i + n], i + n
+        elif wire == 1:
+            v, i = b[i:i + 8], i + 8
+        elif wire == 5:
+            v, i = b[i:i + 4], i + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        out.append((num, v))
+    return out
+
+
+@dataclasses.dataclass
+class CachedKernel:
+    """One Triton kernel from XLA's kernel cache file (``CompilationCacheProto``)."""
+
+    key: str  # the cache entry's name (unique in the module)
+    name: str  # the pallas_call's name
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+    threads_per_block: int
+    dynamic_smem: int
+    cubin: bytes
+
+
+def read_kernel_cache(path: str) -> list[CachedKernel]:
+    """The Triton kernels in an XLA kernel cache file.
+
+    Layout (``xla/service/gpu/kernel_reuse_cache.proto``): entries ``map<string, Entry>``
+    (field 1); an entry holds its fingerprint (1: for a Triton call, the call's configuration
+    text with ``grid_*``, ``name``, ``num_warps``, ``num_stages``), launch dimensions (2:
+    blocks, threads per block), cluster dimensions (3), dynamic shared memory (4) and the
+    cubin (5). XLA's own fusions (no ``name = "..."`` in the fingerprint) are left out.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    kernels = []
+    for num, entry in _fields(data):
+        if num != 1 or not isinstance(entry, bytes):
+            continue
+        kv = dict(_fields(entry))
+        key, val = kv.get(1, b"").decode(errors="replace"), dict(_fields(kv.get(2, b"")))
+        fp = val.get(1, b"")
+        name = re.search(rb'name = "([^"]+)"', fp)
+        if name is None:
+            continue
+        grid = tuple(int(re.search(rb"grid_%s = (\d+)" % a, fp).group(1)) for a in (b"x", b"y", b"z"))
+        launch = dict(_fields(val.get(2, b"")))
+        kernels.append(CachedKernel(
+            key=key, name=name.group(1).decode(), grid=grid,
+            num_warps=int(re.search(rb"num_warps = (\d+)", fp).group(1)),
+            num_stages=int(re.search(rb"num_stages = (\d+)", fp).group(1)),
+            threads_per_block=int(launch.get(2, 0)), dynamic_smem=int(val.get(4, 0)),
+            cubin=val.get(5, b""),
+        ))
+    return kernels
+
+
+def resource_usage(cubin_path: str, function: str) -> dict[str, int]:
+    """``cuobjdump -res-usage``: REG, STACK, SHARED, LOCAL of ``function`` in the cubin.
+
+    A cubin may hold helper device functions too (sm_80's ``__cuda_sm70_shflsync_*``); only
+    the kernel's own entry counts.
+    """
+    out = _run_tool("cuobjdump", "-res-usage", cubin_path)
+    m = re.search(r"Function %s:\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)" % re.escape(function), out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump -res-usage has no resource line for {function}:\n{out}")
+    return dict(zip(("registers", "stack", "static_smem", "local"), map(int, m.groups())))
+
+
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
+    """Static SASS instruction counts of ``function`` (``cuobjdump -sass``), NOPs excluded.
+
+    ``expf``: libdevice ``expf`` call sites, counted by the ``FFMA.RM`` of their range
+    reduction (``exp2`` maps to a bare ``MUFU.EX2`` and has none). ``spill_stores`` and
+    ``spill_loads`` count ``STL``/``LDL``: local-memory traffic, which in these kernels is
+    register spilling.
+    """
+    sass = _run_tool("cuobjdump", "-sass", cubin_path)
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    body = dict(zip(parts[1::2], parts[2::2])).get(function)
+    if body is None:
+        raise RuntimeError(f"cuobjdump -sass shows no function {function}")
+    ops = [o for o in _SASS_LINE.findall(body) if o != "NOP"]
+    base = Counter(o.split(".")[0] for o in ops)
+    return {
+        "sass": len(ops),
+        "hgmma": base["HGMMA"],  # sm_90 warpgroup MMA (wgmma)
+        "hmma": base["HMMA"],  # sm_80-style warp MMA (mma.sync)
+        "utcmma": sum(n for op, n in base.items() if op.startswith("UTC") and op.endswith("MMA")),  # sm_100 tcgen05
+        "ex2": sum(o.startswith("MUFU.EX2") for o in ops),
+        "expf": sum(o.startswith("FFMA.RM") for o in ops),
+        "spill_stores": base["STL"],
+        "spill_loads": base["LDL"],
+    }
+
+
+def _run_tool(tool: str, *args: str) -> str:
+    path = tool_path(tool)
+    if path is None:
+        raise FileNotFoundError(f"{tool} not found; install it: {INSTALL_HINT}")
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(path) + os.pathsep + env.get("PATH", "")  # cuobjdump finds nvdisasm
+    r = subprocess.run([path, *args], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tool} {' '.join(args)} failed: {r.stderr.strip()}")
+    return r.stdout
+
+
+def occupancy(target: GpuTarget, *, registers: int, threads_per_block: int, smem_per_block: int) -> dict[str, Any]:
+    """Resident blocks and warps per SM and the limiting resource (CUDA occupancy rules).
+
+    Registers are allocated per warp in units of 256 and per SM sub-partition (four of
+    ``regs_per_sm / 4``); each block also takes ``reserved_smem_per_block`` of shared memory.
+    """
+    warps = max(1, math.ceil(threads_per_block / 32))
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    warps_by_regs = 4 * ((target.regs_per_sm // 4) // regs_per_warp)
+    smem = smem_per_block + target.reserved_smem_per_block
+    limits = {
+        "registers": warps_by_regs // warps,
+        "shared memory": target.smem_per_sm // smem if smem_per_block else target.max_blocks_per_sm,
+        "threads": target.max_warps_per_sm // warps,
+        "blocks": target.max_blocks_per_sm,
+    }
+    if smem_per_block > target.smem_per_block_optin:
+        limits["shared memory"] = 0
+    blocks = min(limits.values())
+    # On a tie the hard per-SM caps are named first: they cannot be tuned away.
+    limiter = min(("threads", "blocks", "registers", "shared memory"), key=lambda k: limits[k])
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps,
+            "occupancy": blocks * warps / target.max_warps_per_sm, "limiter": limiter}
+
+
+# -------------------------------------------------------------- compiling one case
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * aval.dtype.itemsize if hasattr(aval, "shape") else 0
+
+
+def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
+    """Every ``pallas_call`` in a (closed) jaxpr, nested jaxprs included: its name, grid,
+    cost estimate and minimum bytes (operands read once, results written once)."""
+    from jax.extend import core as jex_core
+
+    found = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                p = eqn.params
+                info = p.get("name_and_src_info")
+                cost = p.get("cost_estimate")
+                gm = p.get("grid_mapping")
+                found.append({
+                    "name": getattr(info, "name", None) or p.get("name", "?"),
+                    "grid": tuple(int(g) for g in getattr(gm, "grid", ())),
+                    "flops": int(getattr(cost, "flops", 0) or 0),
+                    "bytes_accessed": int(getattr(cost, "bytes_accessed", 0) or 0),
+                    "io_bytes": sum(_nbytes(v.aval) for v in eqn.invars) + sum(_nbytes(v.aval) for v in eqn.outvars),
+                })
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+    return found
+
+
+def _case_function(case: Case):
+    """``bwd(*arrays, ct)``: the op's forward and backward (its vjp applied to the cotangent
+    ``ct``); its inputs as ShapeDtypeStructs; the op's minimum bytes.
+
+    The cotangent is an argument, as in training, so that XLA does not fold a constant into
+    the backward and the op's minimum bytes are well defined: every array input and ``ct``
+    read once, every gradient written once.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxbwd import registry
+
+    spec = registry.get(case.op)
+    args, kwargs = spec.lowering[case.example].make(None, None)
+    dt = jnp.dtype(case.dtype)
+
+    def place(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            d = dt if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+            return jax.ShapeDtypeStruct(a.shape, d)
+        return a
+
+    args = [place(a) for a in args]
+    array_idx = [i for i, a in enumerate(args) if isinstance(a, jax.ShapeDtypeStruct)]
+
+    def forward(*arrays):
+        full = list(args)
+        for i, a in zip(array_idx, arrays):
+            full[i] = a
+        return spec.bind(full, kwargs, implementation="pallas"), [full[i] for i in spec.diff_argnums]
+
+    def bwd(*arrays_and_ct):
+        *arrays, ct = arrays_and_ct
+        f, diff = forward(*arrays)
+        _, vjp = jax.vjp(f, *diff)
+        return vjp(ct)
+
+    def primal(*arrays):
+        f, diff = forward(*arrays)
+        return f(*diff)
+
+    from jaxbwd import config
+
+    arrays = [args[i] for i in array_idx]
+    with config.use(interpret=True):  # shapes only: no kernel is built for a device here
+        out = jax.eval_shape(primal, *arrays)
+        arrays.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
+        grads = jax.eval_shape(bwd, *arrays)
+    op_min_bytes = sum(_nbytes(a) for a in arrays) + sum(_nbytes(g) for g in grads)
+    return bwd, arrays, op_min_bytes
+
+
+_TOPOLOGIES: dict[str, Any] = {}
+
+
+def _device(target: GpuTarget):
+    from jax.experimental import topologies
+
+    if target.name not in _TOPOLOGIES:
+        _TOPOLOGIES[target.name] = topologies.get_topology_desc(
+            platform="cuda", target_config=target.target_config(), topology="1x1x1")
+    return _TOPOLOGIES[target.name].devices[0]
+
+
+def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
+    """Compiles one case for its GPU without a GPU and returns one row per Pallas kernel."""
+    import warnings
+
+    import jax
+
+    from jaxbwd import config
+    from jaxbwd.pallas import _common
+
+    target = GPUS[case.gpu]
+    mesh = jax.sharding.Mesh([_device(target)], ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    fn, arrays, op_min_bytes = _case_function(case)
+    cache = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", case.id) + f".{time.monotonic_ns()}.kcache")
+    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # keep_unused: a backward that never reads an input (bias_add's x) still takes it.
+        traced = jax.jit(fn, in_shardings=sharding, keep_unused=True).trace(*arrays)
+        calls = _kernel_calls(traced.jaxpr)
+        t0 = time.perf_counter()
+        traced.lower().compile(compiler_options={"xla_gpu_kernel_cache_file": cache})
+        seconds = time.perf_counter() - t0
+    rows = []
+    for k in read_kernel_cache(cache):
+        cubin = cache + "." + re.sub(r"[^A-Za-z0-9_.-]", "_", k.key) + ".cubin"
+        with open(cubin, "wb") as f:
+            f.write(k.cubin)
+        res, mix = resource_usage(cubin, k.name), sass_mix(cubin, k.name)
+        same = [c for c in calls if c["name"] == k.name]
+        call = next((c for c in same if math.prod(c["grid"] or (1,)) == math.prod(k.grid)), same[0] if same else {})
+        smem = k.dynamic_smem + res["static_smem"]
+        occ = occupancy(target, registers=res["registers"], threads_per_block=k.threads_per_block, smem_per_block=smem)
+        grid_blocks = math.prod(k.grid)
+        per_wave = occ["blocks_per_sm"] * target.core_count
+        rows.append({
+            "op": case.op, "case": case.shape_name, "dtype": case.dtype, "gpu": case.gpu, "arch": target.arch,
+            "kernel": k.name, "grid": list(k.grid), "blocks": grid_blocks,
+            "num_warps": k.num_warps, "num_stages": k.num_stages, "threads": k.threads_per_block,
+            **res, "smem": smem, **occ,
+            "waves": grid_blocks / per_wave if per_wave else math.inf,
+            **mix,
+            "tensor_core": next((kind for kind, key in (("HGMMA", "hgmma"), ("UTCMMA", "utcmma"), ("HMMA", "hmma"))
+                                 if mix[key]), "none"),
+            "flops": call.get("flops"), "bytes_accessed": call.get("bytes_accessed"),
+            "io_bytes": call.get("io_bytes"), "op_min_bytes": op_min_bytes,
+            "compile_s": round(seconds, 2),
+        })
+    total_io = sum(c["io_bytes"] for c in calls)
+    for r in rows:
+        r["op_io_bytes"] = total_io
+    for f in os.listdir(workdir):
+        if f.startswith(os.path.basename(cache)):
+            os.remove(os.path.join(workdir, f))
+    return rows
+
+
+# ------------------------------------------------------------------ worker processes
+
+
+def _worker_main() -> int:
+    """A compile worker: reads one JSON case per stdin line, answers one JSON line each."""
+    workdir = tempfile.mkdtemp(prefix="jaxbwd-compile-")
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything else printed must not break the protocol
+    for line in sys.stdin:
+        case = Case(**json.loads(line))
+        try:
+            msg = {"case": case.id, "rows": compile_case(case, workdir)}
+        except Exception as e:  # reported per case; the run goes on
+            msg = {"case": case.id, "error": f"{type(e).__name__}: {e}".strip()[:2000]}
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "JAX_PLATFORMS": "cpu",  # the host runs on CPU; the GPU exists only as a target
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",  # no CUDA driver to check against
+        "TF_CPP_MIN_LOG_LEVEL": env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        "JAXBWD_INTERPRET": "0",
+    })
+    env.pop("JAXBWD_IMPLEMENTATION", None)
+    return env
+
+
+def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float = 900.0,
+        progress: Optional[Callable[[Case, dict], None]] = None) -> dict[str, Any]:
+    """Compiles ``case_list`` in ``jobs`` worker processes (default: one per CPU core).
+
+    Returns ``{"rows": [...], "failures": [{"case", "error"}], "meta": {...}}``; a case whose
+    worker crashed or ran past ``timeout`` seconds is a failure, and the run goes on.
+    ``progress(case, message)`` is called after each case.
+
+    Raises:
+      RuntimeError: the compile requirements are missing (the message names the packages).
+    """
+    missing = missing_requirements()
+    if missing:
+        raise RuntimeError(f"jaxbwd compile needs {', '.join(missing)}: {INSTALL_HINT}")
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(case_list) or 1))
+    todo: "queue.Queue[Case]" = queue.Queue()
+    for c in case_list:
+        todo.put(c)
+    results: "queue.Queue[tuple[Case, dict]]" = queue.Queue()
+    cmd = [sys.executable, "-c", "import sys; from jaxbwd import deviceless; sys.exit(deviceless._worker_main())"]
+
+    def serve():
+        proc = None
+        try:
+            while True:
+                try:
+                    case = todo.get_nowait()
+                except queue.Empty:
+                    return
+                if proc is None or proc.poll() is not None:
+                    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, text=True, env=_worker_env())
+                proc.stdin.write(json.dumps(dataclasses.asdict(case)) + "\n")
+                proc.stdin.flush()
+                answer: list[str] = []
+                reader = threading.Thread(target=lambda: answer.append(proc.stdout.readline()), daemon=True)
+                reader.start()
+                reader.join(timeout)
+                if reader.is_alive():
+                    proc.kill()
+                    msg = {"case": case.id, "error": f"timed out after {timeout:.0f} s"}
+                elif not answer or not answer[0]:
+                    code = proc.wait()
+                    msg = {"case": case.id, "error": f"the compile worker died (exit code {code})"}
+                else:
+                    msg = json.loads(answer[0])
+                results.put((case, msg))
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.stdin.close()
+                proc.wait()
+
+    threads = [threading.Thread(target=serve, daemon=True) for _ in range(jobs)]
+    for t in threads:
+        t.start()
+    rows, failures, start = [], [], time.time()
+    for _ in range(len(case_list)):
+        case, msg = results.get()
+        if "error" in msg:
+            failures.append({"case": case.id, "error": msg["error"]})
+        else:
+            rows.extend(msg["rows"])
+        if progress is not None:
+            progress(case, msg)
+    for t in threads:
+        t.join()
+    return {"meta": _meta(case_list, jobs, time.time() - start), "rows": rows, "failures": failures}
+
+
+def _meta(case_list, jobs, seconds) -> dict[str, Any]:
+    import jax
+
+    try:
+        from importlib.metadata import version
+
+        plugin = version("jax-cuda13-plugin")
+    except Exception:
+        plugin = None
+    return {
+        "date": datetime.date.today().isoformat(), "jax": jax.__version__, "cuda_plugin": plugin,
+        "gpus": sorted({c.gpu for c in case_list}), "cases": len(case_list), "jobs": jobs,
+        "seconds": round(seconds, 1),
+    }
+
+
+def missing_kernels(report: dict[str, Any], case_list: Iterable[Case]) -> list[str]:
+    """``case id: kernel`` for every registry kernel a case's compile did not produce."""
+    from jaxbwd import registry
+
+    got = {(r["op"], r["case"], r["dtype"], r["gpu"], r["kernel"]) for r in report["rows"]}
+    failed = {f["case"] for f in report["failures"]}
+    return [f"{c.id}: {k}" for c in case_list if c.id not in failed
+            for k in registry.get(c.op).kernels if (c.op, c.shape_name, c.dtype, c.gpu, k) not in got]
+
+
+# ------------------------------------------------------------------------- reporting
+
+COLUMNS = (
+    # (header, key or function of a row, help)
+    ("op", "op", "registry op"),
+    ("case", "case", "lowering example (shapes; the dtype column overrides its dtype)"),
+    ("dtype", lambda r: {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(r["dtype"], r["dtype"]), "input dtype"),
+    ("gpu", "gpu", "target GPU"),
+    ("kernel", "kernel", "pallas_call name"),
+    ("grid", lambda r: "x".join(str(g) for g in r["grid"] if g != 1) or "1", "launch grid (blocks)"),
+    ("w/s", lambda r: f"{r['num_warps']}/{r['num_stages']}", "Triton num_warps / num_stages"),
+    ("reg", "registers", "registers per thread"),
+    ("spill", lambda r: r["stack"], "stack frame bytes per thread (spills land here; 0 = none)"),
+    ("smem", lambda r: f"{r['smem'] / 1024:.0f}K", "shared memory per block (static + dynamic)"),
+    ("blk/SM", lambda r: f"{r['blocks_per_sm']} {_SHORT[r['limiter']]}", "resident blocks per SM and the limiting resource"),
+    ("occ", lambda r: f"{r['occupancy']:.0%}", "resident warps / max warps per SM"),
+    ("waves", lambda r: f"{r['waves']:.2f}", "grid blocks / (blocks per SM x SMs)"),
+    ("TC", lambda r: f"{r['tensor_core']}:{r[r['tensor_core'].lower()]}" if r["tensor_core"] != "none" else "-",
+     "tensor-core instructions in the SASS, kind:count (HGMMA sm_90 wgmma, UTCMMA sm_100 tcgen05, HMMA mma.sync)"),
+    ("ex2", "ex2", "MUFU.EX2 instructions"),
+    ("expf", "expf", "libdevice expf sequences"),
+    ("sass", "sass", "static SASS instructions (NOPs excluded)"),
+    ("MB", lambda r: f"{r['io_bytes'] / 1e6:.0f}" if r.get("io_bytes") else "-",
+     "the kernel's operands and results, MB (its minimum traffic: each read once, each written once)"),
+    ("io/min", lambda r: f"{r['op_io_bytes'] / r['op_min_bytes']:.2f}" if r.get("op_min_bytes") else "-",
+     "all of the case's kernels' operand+result bytes over the op's minimum (fwd+bwd inputs and the "
+     "cotangent read once, gradients written once); > 1 means intermediates go through HBM"),
+)
+
+
+_SHORT = {"registers": "reg", "shared memory": "smem", "threads": "thr", "blocks": "blk"}
+
+
+def _cell(row, key):
+    return key(row) if callable(key) else row[key]
+
+
+def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Headers and string cells of the report's rows, in a stable order."""
+    order = sorted(report["rows"], key=lambda r: (r["gpu"], r["op"], r["case"], r["dtype"], r["kernel"]))
+    return [h for h, _, _ in COLUMNS], [[str(_cell(r, k)) for _, k, _ in COLUMNS] for r in order]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown document: the table, a legend and any failures."""
+    headers, rows = table_rows(report)
+    m = report["meta"]
+    lines = [
+        f"# Compiled kernels, {m['date']}", "",
+        f"jax {m['jax']}, CUDA plugin {m['cuda_plugin']}, deviceless compile for {', '.join(m['gpus'])}; "
+        f"{m['cases']} cases in {m['seconds']} s on {m['jobs']} processes.", "",
+        "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "Columns:"] + [f"- **{h}**: {d}" for h, _, d in COLUMNS]
+    if report["failures"]:
+        lines += ["", "Failures:"] + [f"- `{f['case']}`: {f['error']}" for f in report["failures"]]
+    return "\n".join(lines) + "\n"
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line: kernels compiled, spills, tensor-core use, failures."""
+    rows = report["rows"]
+    spilled = sorted({f"{r['kernel']}({r['dtype']})" for r in rows if r["stack"] or r["spill_stores"]})
+    tc = sum(r["tensor_core"] != "none" for r in rows)
+    return (f"{len(rows)} kernel compiles from {report['meta']['cases'] - len(report['failures'])} cases "
+            f"({len(report['failures'])} failed) in {report['meta']['seconds']} s; "
+            f"{len(spilled)} kernels spill{': ' + ', '.join(spilled) if spilled else ''}; "
+            f"{tc} use tensor cores")
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())
