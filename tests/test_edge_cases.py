@@ -69,3 +69,53 @@ def test_row_slice_concrete_array_start_is_range_checked():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
         jaxbwd.row_slice(jnp.ones((4, 3)), jnp.int32(3), 2)
     np.testing.assert_array_equal(jaxbwd.row_slice(jnp.arange(12.0).reshape(4, 3), np.int64(1), 2), np.arange(3.0, 9.0).reshape(2, 3))
+
+
+# Arrays of more than 2**31 elements (and more than 4 GiB, so Pallas addresses them with
+# 64-bit offsets): the kernels must index [rows, cols] views, never a flat int32 index that
+# wraps. Lowered from ShapeDtypeStructs: nothing is allocated.
+_BIG = 2**31 + 2**27
+LARGE = [
+    ("silu", lambda x: jaxbwd.silu(x, implementation="pallas"), ((65536, 40960),), "silu_bwd"),
+    ("gelu 1-D", lambda x: jaxbwd.gelu(x, implementation="pallas"), ((_BIG,),), "gelu_bwd"),
+    ("swiglu", lambda g, u: jaxbwd.swiglu(g, u, implementation="pallas"), ((65536, 40960), (65536, 40960)), "swiglu_bwd"),
+    ("glu", lambda x: jaxbwd.glu(x, implementation="pallas"), ((65536, 81920),), "glu_bwd"),
+    ("pixel_shuffle", lambda x: jaxbwd.pixel_shuffle(x, 2, implementation="pallas"), ((64, 512, 512, 256),), "pixel_shuffle_bwd"),
+    ("unpatchify", lambda t: jaxbwd.unpatchify(t, grid=64, patch_size=8, channels=160, implementation="pallas"),
+     ((64, 4096, 10240),), "unpatchify_bwd"),
+    ("upsample2d", lambda x: jaxbwd.upsample2d(x, 2, implementation="pallas"), ((64, 256, 256, 640),), "upsample2d_bwd"),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,kernel", LARGE, ids=[c[0] for c in LARGE])
+def test_kernels_lower_past_int32_elements(name, fn, shapes, kernel):
+    from jaxbwd.pallas import _common
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    assert max(np.prod(s) for s in shapes) > 2**31
+
+    def bwd(*a):
+        out, vjp = jax.vjp(fn, *a)
+        return vjp(out)
+
+    with jaxbwd.config.use(interpret=False):
+        text = _common.lower_for_gpu(bwd, *args)
+    ir = _common.triton_ir(text)[kernel]
+    offsets = [line.rsplit(",", 1)[-1] for line in ir.splitlines() if "tt.addptr" in line]
+    assert offsets and all("i64" in o for o in offsets), f"{kernel}: 32-bit address offsets: {offsets[:3]}"
+
+
+@pytest.mark.parametrize("shape,rows,cols", [
+    ((65536, 40960), 65536, 40960), ((2**31 + 2**27,), (2**31 + 2**27) // 1024, 1024), ((8, 3), 3, 8), ((7,), 7, 1),
+])
+def test_elementwise_views_stay_in_int32(shape, rows, cols):
+    from jaxbwd.pallas import _common
+
+    assert _common.as_2d("silu", shape) == (rows, cols)
+
+
+def test_unsplittable_huge_input_is_a_clear_error():
+    from jaxbwd.pallas import _common
+
+    with pytest.raises(ValueError, match=r"jaxbwd.silu: rows = 4294967311 exceeds the kernels' int32 index range"):
+        _common.as_2d("silu", (2**32 + 15,))

@@ -79,6 +79,41 @@ def row_tiling(n_rows: int, n_cols: int, *, max_tile: int = MAX_TILE, max_block_
     return RowTiling(n_rows, n_cols, block_rows, block_cols, num_warps)
 
 
+# Kernels index with int32 (Triton's default); Pallas widens each dimension's index to int64
+# before multiplying by its stride when an operand passes 4 GiB. So a kernel is safe at any
+# size as long as every per-dimension index it builds stays below 2**31: kernels index 2-D
+# [rows, cols] views and never form a flat element index.
+MAX_DIM = 2**31 - 1
+
+
+def check_index_range(op: str, **dims: int) -> None:
+    """Raises ValueError naming ``op`` if a dimension a kernel indexes exceeds int32."""
+    for name, d in dims.items():
+        if d > MAX_DIM:
+            raise ValueError(f"jaxbwd.{op}: {name} = {d} exceeds the kernels' int32 index range "
+                             f"(at most {MAX_DIM}); split the input")
+
+
+def as_2d(op: str, shape: Sequence[int]) -> tuple[int, int]:
+    """A [rows, cols] view of an array of ``shape`` for elementwise kernels.
+
+    The last axis when it is wide enough to coalesce (>= 16) and within int32, else the
+    largest power-of-two divisor of the size up to 1024; both extents within int32
+    (``check_index_range``).
+    """
+    n = math.prod(shape)
+    last = shape[-1] if len(shape) else 1
+    if 16 <= last <= MAX_DIM:
+        rows, cols = n // last, last
+    else:
+        cols = 1024
+        while cols > 1 and n % cols:
+            cols //= 2
+        rows = n // cols
+    check_index_range(op, rows=rows, cols=cols)
+    return rows, cols
+
+
 def tile_index(block_row, block_col, t: RowTiling):
     """Row and column indices and the in-bounds mask of tile (block_row, block_col)."""
     rows = block_row * t.block_rows + jnp.arange(t.block_rows)
@@ -236,6 +271,45 @@ def triton_kernel_names(hlo_text: str) -> list[str]:
             m = re.search(r'name = "([^"]+)"', line)
             names.append(m.group(1) if m else "?")
     return names
+
+
+def triton_ir(hlo_text: str) -> dict[str, str]:
+    """The Triton IR (TTIR text) of each Pallas kernel in a lowered module, by kernel name.
+
+    Pallas stores each kernel as MLIR bytecode in its custom call; this decodes it with jax's
+    own MLIR bindings, so tests can check what a kernel computes (e.g. its index widths).
+    """
+    import re
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+
+    out = {}
+    for line in hlo_text.splitlines():
+        if "xla.gpu.triton" not in line:
+            continue
+        name = re.search(r'name = "([^"]+)"', line)
+        raw = re.search(r'ir = "((?:[^"\\]|\\.)*)"', line)
+        if not (name and raw):
+            continue
+        text, data, i = raw.group(1), bytearray(), 0
+        while i < len(text):  # MLIR string escapes: \\, \", \XX (hex)
+            if text[i] == "\\":
+                if text[i + 1] in '\\"':
+                    data.append(ord(text[i + 1]))
+                    i += 2
+                else:
+                    data.append(int(text[i + 1:i + 3], 16))
+                    i += 3
+            else:
+                data += text[i].encode()
+                i += 1
+        ctx = mlir.make_ir_context()
+        triton.dialect.register_dialect(ctx)
+        with ctx:
+            out[name.group(1)] = str(ir.Module.parse(bytes(data)))
+    return out
 
 
 def row_reduce_then_write(t: RowTiling, load_chunk, row_sums, write_chunk):

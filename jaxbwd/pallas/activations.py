@@ -11,9 +11,10 @@ overflow, and every factor that multiplies a large ``x`` (``1 - s``, ``s (1 - s)
 Kernels:
 
 - ``silu_bwd``, ``gelu_bwd``, ``swiglu_bwd``: one fused elementwise pass over the
-  flattened inputs (a 1-D grid of power-of-two blocks, masked tail). Each reads the
-  saved inputs and dy once and writes the gradients once, recomputing the activation
-  instead of reading a saved one.
+  inputs viewed as [rows, cols] (2-D power-of-two tiles, masked tails; 2-D so that no
+  index passes int32 on arrays of 2**31 elements and more). Each reads the saved inputs
+  and dy once and writes the gradients once, recomputing the activation instead of
+  reading a saved one.
 - ``glu_bwd``: the same over [rows, d] tiles of the fused ``[..., 2d]`` input; a program
   reads the gate and up halves of its rows and dy, and writes both halves of dx.
 - ``softmax_bwd``: row-wise ``dx = y * (dy - delta)``, ``delta = sum(dy * y)`` over the
@@ -120,35 +121,45 @@ def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erf: C
 
 
 # ------------------------------------------------------------- elementwise kernels
-def _elementwise_kernel(*refs, grads: Callable, n_in: int, n: int, block: int):
+def _elementwise_tiling(R: int, Cc: int) -> C.RowTiling:
+    """[block_rows, block_cols] tiles of ELEMENTWISE_BLOCK elements, at most GLU_MAX_BLOCK_COLS wide."""
+    block_cols = min(C.next_pow2(Cc), GLU_MAX_BLOCK_COLS)
+    block_rows = max(1, min(C.next_pow2(R), ELEMENTWISE_BLOCK // block_cols))
+    warps = min(ELEMENTWISE_WARPS, max(1, block_rows * block_cols // 256))
+    return C.RowTiling(R, Cc, block_rows=block_rows, block_cols=block_cols, num_warps=warps)
+
+
+def _elementwise_kernel(*refs, grads: Callable, n_in: int, t: C.RowTiling):
     in_refs, out_refs = refs[:n_in], refs[n_in:]
-    idx = pl.program_id(0) * block + jnp.arange(block)
-    mask = idx < n
-    outs = grads(*(C.load(r, idx, mask) for r in in_refs))
+    rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
+    outs = grads(*(C.load_tile(r, rows, cols, mask) for r in in_refs))
     for r, v in zip(out_refs, outs):
-        C.store(r, idx, v, mask)
+        C.store_tile(r, rows, cols, v, mask)
 
 
 def _elementwise_bwd(name: str, grads: Callable, inputs, out_dtypes, *, flops: int,
                      transcendentals: int, interpret: bool):
-    """One fused pass: ``grads(*inputs)`` over the flattened inputs, outputs in ``out_dtypes``.
+    """One fused pass: ``grads(*inputs)`` over the inputs, outputs in ``out_dtypes``.
 
-    ``inputs`` share one shape; each output has that shape. Empty inputs skip the launch.
+    ``inputs`` share one shape; each output has that shape. They are viewed as [rows, cols]
+    (``C.as_2d``, a free reshape) and cut into 2-D tiles, so no index exceeds int32 however
+    large the arrays. Empty inputs skip the launch.
     """
     shape = inputs[0].shape
     n = math.prod(shape)
     if n == 0:
         return tuple(jnp.zeros(shape, d) for d in out_dtypes)
-    flat = [a.reshape(-1) for a in inputs]
-    block = min(C.next_pow2(n), ELEMENTWISE_BLOCK)
-    out_shape = [jax.ShapeDtypeStruct((n,), d) for d in out_dtypes]
+    R, Cc = C.as_2d(name.removesuffix("_bwd"), shape)
+    views = [a.reshape(R, Cc) for a in inputs]
+    t = _elementwise_tiling(R, Cc)
+    out_shape = [jax.ShapeDtypeStruct((R, Cc), d) for d in out_dtypes]
+    # Row blocks on grid axis 0: it is the only axis that may exceed 65535 programs.
     outs = C.call(
-        functools.partial(_elementwise_kernel, grads=grads, n_in=len(flat), n=n, block=block),
-        name=name, grid=(C.cdiv(n, block),), out_shape=out_shape, interpret=interpret,
-        num_warps=min(ELEMENTWISE_WARPS, max(1, block // 256)),
-        flops=flops * n, transcendentals=transcendentals * n,
-        bytes_accessed=C.nbytes(*flat) + sum(n * jnp.dtype(d).itemsize for d in out_dtypes),
-    )(*flat)
+        functools.partial(_elementwise_kernel, grads=grads, n_in=len(views), t=t),
+        name=name, grid=(t.num_row_blocks, t.num_col_blocks), out_shape=out_shape, interpret=interpret,
+        num_warps=t.num_warps, flops=flops * n, transcendentals=transcendentals * n,
+        bytes_accessed=C.nbytes(*views) + sum(n * jnp.dtype(d).itemsize for d in out_dtypes),
+    )(*views)
     return tuple(o.reshape(shape) for o in outs)
 
 
@@ -206,10 +217,8 @@ def glu_bwd(x, dy, *, activation: str, limit: Optional[float], interpret: bool =
     R, d = dy.shape
     if R * d == 0:
         return jnp.zeros(x.shape, x.dtype)
-    block_cols = min(C.next_pow2(d), GLU_MAX_BLOCK_COLS)
-    block_rows = max(1, min(C.next_pow2(R), ELEMENTWISE_BLOCK // block_cols))
-    warps = min(ELEMENTWISE_WARPS, max(1, block_rows * block_cols // 256))
-    t = C.RowTiling(R, d, block_rows=block_rows, block_cols=block_cols, num_warps=warps)
+    C.check_index_range("glu", rows=R, cols=2 * d)
+    t = _elementwise_tiling(R, d)
     flops, trans = _COST[activation]
     # Row blocks on grid axis 0: it is the only axis that may exceed 65535 programs.
     return C.call(

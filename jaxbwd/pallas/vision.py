@@ -6,8 +6,8 @@ every dx element is written exactly once, by one program, in a fixed order: no a
 bitwise reproducible.
 
 - pixel_shuffle / unpatchify: the backward is the inverse permutation (pixel_unshuffle,
-  patchify): one read and one write per element. The gather index is computed from the
-  tile's (row, column) indices.
+  patchify): one read and one write per element. The gather's (pixel, channel) source is
+  computed from the tile's (row, column) indices; no flat index, so nothing wraps at 2**31.
 - upsample2d: each dx pixel sums the (sh x sw) dy block it was copied to (nearest), or the
   dy pixels whose bilinear stencil touches it, weighted by the interpolation weights
   recomputed from the half-pixel-centre formula (bilinear). The taps are a static loop.
@@ -33,21 +33,24 @@ def _tiling(R: int, K: int) -> C.RowTiling:
 # --------------------------------------------------------------------- permutations
 def _gather_kernel(src_ref, out_ref, *, t: C.RowTiling, index):
     rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
-    src = index(rows[:, None], cols[None, :])
-    src = jnp.where(mask, src, 0)
+    src_row, src_col = index(rows[:, None], cols[None, :])
+    src = (jnp.where(mask, src_row, 0), jnp.where(mask, src_col, 0))
     C.store_tile(out_ref, rows, cols, C.load(src_ref, src, mask), mask)
 
 
 def _gather(src, out_rows: int, out_cols: int, index, *, name: str, interpret: bool):
-    """out[r, k] = src.ravel()[index(r, k)] for a permutation ``index``; out [R, K] in src's dtype."""
+    """out[r, k] = src[index(r, k)] for a permutation ``index`` of the [pixels, channels] view
+    of src (NHWC): ``index`` returns a (pixel, channel) pair, never a flat offset, so every
+    index stays within int32 (Pallas widens to int64 when it scales them by strides)."""
+    pixels = src.size // src.shape[-1]
+    C.check_index_range(name.removesuffix("_bwd"), pixels=pixels, rows=out_rows, cols=out_cols)
     t = _tiling(out_rows, out_cols)
-    flat = src.reshape(-1)
     return C.call(
         functools.partial(_gather_kernel, t=t, index=index), name=name,
         grid=(t.num_row_blocks, t.num_col_blocks),
         out_shape=jax.ShapeDtypeStruct((out_rows, out_cols), src.dtype), interpret=interpret,
         num_warps=t.num_warps, bytes_accessed=2 * C.nbytes(src),
-    )(flat)
+    )(src.reshape(pixels, src.shape[-1]))
 
 
 def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
@@ -61,7 +64,7 @@ def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
     def index(p, k):
         n, h, w = C.idiv(p, H * W), C.imod(C.idiv(p, W), H), C.imod(p, W)
         c, i, j = C.idiv(k, r * r), C.imod(C.idiv(k, r), r), C.imod(k, r)
-        return (((n * H + h) * r + i) * Wr + w * r + j) * Cc + c
+        return ((n * H + h) * r + i) * Wr + w * r + j, c
 
     dx = _gather(dy, N * H * W, Cc * r * r, index, name="pixel_shuffle_bwd", interpret=interpret)
     return dx.reshape(N, H, W, Cc * r * r)
@@ -79,7 +82,7 @@ def unpatchify_bwd(dy, gh: int, gw: int, p: int, *, interpret: bool = False):
         n, tok = C.idiv(row, T), C.imod(row, T)
         gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
         i, j, c = C.idiv(k, p * Cc), C.imod(C.idiv(k, Cc), p), C.imod(k, Cc)
-        return ((n * Ho + gi * p + i) * Wo + gj * p + j) * Cc + c
+        return (n * Ho + gi * p + i) * Wo + gj * p + j, c
 
     dt = _gather(dy, N * T, p * p * Cc, index, name="unpatchify_bwd", interpret=interpret)
     return dt.reshape(N, T, p * p * Cc)
@@ -134,6 +137,7 @@ def upsample2d_bwd(dy, sh: int, sw: int, *, bilinear: bool, interpret: bool = Fa
     """
     N, Ho, Wo, Cc = dy.shape
     H, W = Ho // sh, Wo // sw
+    C.check_index_range("upsample2d", pixels=N * Ho * Wo)
     t = _tiling(N * H * W, Cc)
     n_taps = (len(bilinear_taps(sh)) * len(bilinear_taps(sw))) if bilinear else sh * sw
     dx = C.call(
