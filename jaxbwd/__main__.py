@@ -101,6 +101,13 @@ def _compile(args) -> int:
     for m in missing_k:
         print(f"MISSING {m}")
     print(deviceless.summary(report))
+    if args.baseline:
+        import json
+
+        with open(args.baseline) as f:
+            h, rows = deviceless.compare(json.load(f), report)
+        print(f"\nchanges against {args.baseline}:")
+        print(_table(h, rows))
     if args.json:
         import json
 
@@ -141,6 +148,7 @@ def main(argv=None) -> int:
     pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed")
     pg.add_argument("--json", help="write the full report (every figure per kernel) as JSON")
     pg.add_argument("--markdown", help="write the table with a legend as Markdown")
+    pg.add_argument("--baseline", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
     args = p.parse_args(argv)
     if args.cmd == "compile":
         import os

@@ -745,6 +745,29 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+COMPARED = (("reg", "registers"), ("spill", "stack"), ("blk/SM", "blocks_per_sm"), ("waves", "waves"),
+            ("sass", "sass"), ("ex2", "ex2"), ("expf", "expf"), ("TC", "tensor_core"))
+
+
+def compare(baseline: dict[str, Any], report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Before/after cells for every kernel compiled in both reports: ``before -> after`` where
+    a figure changed, the value alone where it did not."""
+    key = lambda r: (r["op"], r["case"], r["dtype"], r["gpu"], r["kernel"])  # noqa: E731
+    old = {key(r): r for r in baseline["rows"]}
+    headers = ["op", "case", "dtype", "gpu", "kernel"] + [h for h, _ in COMPARED]
+    rows = []
+    for r in sorted(report["rows"], key=key):
+        b = old.get(key(r))
+        if b is None:
+            continue
+        cells = []
+        for _, k in COMPARED:
+            fmt = (lambda v: f"{v:.2f}") if k == "waves" else str
+            cells.append(fmt(r[k]) if b[k] == r[k] else f"{fmt(b[k])} -> {fmt(r[k])}")
+        rows.append(list(key(r)[:4]) + [r["kernel"]] + cells)
+    return headers, rows
+
+
 def summary(report: dict[str, Any]) -> str:
     """One line: kernels compiled, spills, tensor-core use, failures."""
     rows = report["rows"]
