@@ -1,10 +1,13 @@
-"""cross_entropy: softmax cross-entropy over integer labels, with the lse as its only new residual.
+"""cross_entropy: softmax cross-entropy over integer labels; O(rows) residuals (row max and sum).
 
 Forward: the Pallas ``cross_entropy_fwd`` kernel (one pass over vocab tiles, online
-logsumexp) or the same math in XLA; it yields per-row f32 partials (``lse``, the label's
-logit, the logit sum) from which the loss is formed. Saved for the backward: logits
-(already live in the caller), labels and ``lse`` [rows] float32, never a [rows, V]
-softmax. Backward: the Pallas ``cross_entropy_bwd`` kernel or the same formula in XLA.
+logsumexp) or the same math in XLA; it yields per-row f32 partials (the row max and
+shifted sum of exponentials, the label's logit, the logit mean) from which the loss is
+formed. Saved for the backward: logits (already live in the caller), labels and the row max ``m`` and ``s = sum(exp(x - m))``
+[rows] float32, never a [rows, V] softmax. Backward: the Pallas ``cross_entropy_bwd``
+kernel or the same formula in XLA, the softmax recomputed as ``exp(x - m) / s``, which
+keeps f32 precision at any logit offset (``exp(x - lse)`` does not: see
+:mod:`jaxbwd.pallas.losses`).
 
 Vocab-parallel: under an explicit-sharding mesh with the class axis sharded (the logits
 of a vocabulary-sharded output projection), each device runs the kernels on its
@@ -42,35 +45,48 @@ def _shard_labels(lab, V_local, axes):
     return jnp.where((lab >= 0) & (local >= 0) & (local < V_local), local, -1)
 
 
-def _xla_partials(x2, lab, with_sum):
+def _xla_partials(x2, lab, with_sum, V):
+    """The kernel's partials in XLA: row max m, s = sum(exp(x - m)), label logit, sum(x / V)."""
     xf = x2.astype(B.acc_dtype(x2))
     m = jnp.max(xf, axis=-1)
-    shift = jnp.where(jnp.isfinite(m), m, 0.0)
-    lse = shift + jnp.log(jnp.sum(jnp.exp(xf - shift[:, None]), axis=-1))
+    s = jnp.sum(jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]), axis=-1)
     xl = jnp.take_along_axis(xf, jnp.maximum(lab, 0)[:, None], axis=-1)[:, 0]
-    sx = jnp.sum(xf, axis=-1) if with_sum else jnp.zeros_like(lse)
-    return lse, jnp.where(lab >= 0, xl, 0.0), sx
+    sx = jnp.sum(xf * (1.0 / V), axis=-1) if with_sum else jnp.zeros_like(m)
+    return m, s, jnp.where(lab >= 0, xl, 0.0), sx
+
+
+def _lse(m, s):
+    """log(sum(exp(x))) from the row max and the shifted sum; -inf for an all -inf row."""
+    return jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s)
 
 
 def _rows_fwd(impl, x2, lab, eps, z, axes, V):
-    """Per-row (lse, loss) f32; on a vocabulary shard the partials are combined over ``axes``."""
+    """Per-row (m, s, loss) f32; on a vocabulary shard the partials are combined over ``axes``."""
     local = _shard_labels(lab, x2.shape[-1], axes)
     if impl.pallas:
-        lse, xl, sx = kernels.cross_entropy_fwd(x2, local, with_sum=bool(eps), interpret=impl.interpret)
+        m, s, xl, sx = kernels.cross_entropy_fwd(x2, local, with_sum=bool(eps), n_classes=V,
+                                                 interpret=impl.interpret)
     else:
-        lse, xl, sx = _xla_partials(x2, local, bool(eps))
-    if axes:  # logsumexp of the shards' logsumexps; label logit and logit sum are sums
-        m = jax.lax.pmax(jax.lax.stop_gradient(lse), axes)  # a shift that cancels: no derivative
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        lse = m + jnp.log(jax.lax.psum(jnp.exp(lse - m), axes))
+        m, s, xl, sx = _xla_partials(x2, local, bool(eps), V)
+    if axes:  # the shards' (max, sum) combine as an online softmax does; the rest are sums
+        # The global max is a shift that cancels in the loss: no derivative through pmax.
+        mg = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(m), axes))
+        rescale = jnp.exp(m - jnp.where(jnp.isfinite(mg), mg, 0.0))
+        s = jax.lax.psum(jnp.where(s > 0, s * rescale, 0.0), axes)
+        m = jnp.where(jnp.isfinite(mg), mg, m)
         xl = jax.lax.psum(xl, axes)
         sx = jax.lax.psum(sx, axes) if eps else sx
-    loss = lse - (1.0 - eps) * xl
+    # lse - (1 - eps) x[label] - eps mean(x), grouped so that the large terms cancel exactly
+    # (m - x[label] is exact in f32 for nearby values) before log(s) is added: at logits of
+    # 1e6 an f32 lse would round log(s) to the ulp of 1e6.
+    m0 = jnp.where(jnp.isfinite(m), m, 0.0)
+    loss = (1.0 - eps) * (m0 - xl) + jnp.log(s)
     if eps:
-        loss = loss - (eps / V) * sx
+        loss = loss + eps * (m0 - sx)
     if z:
+        lse = _lse(m, s)
         loss = loss + z * lse * lse
-    return lse, jnp.where(lab >= 0, loss, 0.0)
+    return m, s, jnp.where(lab >= 0, loss, 0.0)
 
 
 def _reduce(loss, lab, lead, reduction, dtype):
@@ -93,12 +109,13 @@ def _row_cotangent(ct, lab, reduction, acc):
     return jnp.where(valid, g, 0.0)
 
 
-def _xla_bwd(x2, lab, lse, g, eps, z, V):
+def _xla_bwd(x2, lab, m, s, g, eps, z, V):
     xf = x2.astype(B.acc_dtype(x2))
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(xf.dtype)
-    p = jnp.exp(xf - lse[:, None])
+    m, s = m.astype(xf.dtype), s.astype(xf.dtype)
+    scale = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
     if z:
-        p = p * (1.0 + 2.0 * z * lse)[:, None]
+        scale = scale * (1.0 + 2.0 * z * _lse(m, jnp.where(s > 0, s, 1.0)))
+    p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * scale[:, None]
     onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
     d = p - jnp.where(onehot, 1.0 - eps, 0.0)
     if eps:
@@ -115,21 +132,21 @@ def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl, V, axe
 def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
     x2, lead = B.rows(logits)
     lab = _valid_labels(labels.reshape(-1), V, ignore_index)
-    lse, loss = _rows_fwd(impl, x2, lab, eps, z, axes, V)
-    return _reduce(loss, lab, lead, reduction, logits.dtype), (logits, lab, lse)
+    m, s, loss = _rows_fwd(impl, x2, lab, eps, z, axes, V)
+    return _reduce(loss, lab, lead, reduction, logits.dtype), (logits, lab, m, s)
 
 
 def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
-    logits, lab, lse = res
+    logits, lab, m, s = res
     x2, _ = B.rows(logits)
-    g = _row_cotangent(ct, lab, reduction, lse.dtype)
+    g = _row_cotangent(ct, lab, reduction, m.dtype)
     g = S.replicated_cotangent(g, axes)  # every vocabulary shard holds a copy of the loss
     local = _shard_labels(lab, x2.shape[-1], axes)
     if impl.pallas:
-        dx = kernels.cross_entropy_bwd(x2, local, lse, g, label_smoothing=eps, z_loss=z, n_classes=V,
+        dx = kernels.cross_entropy_bwd(x2, local, m, s, g, label_smoothing=eps, z_loss=z, n_classes=V,
                                        interpret=impl.interpret)
     else:
-        dx = _xla_bwd(x2, local, lse, g, eps, z, V)
+        dx = _xla_bwd(x2, local, m, s, g, eps, z, V)
     return dx.reshape(logits.shape), None
 
 
@@ -166,8 +183,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Returns:
       A scalar (mean, sum) or [...] (none) in logits' dtype.
 
-    Residuals: logits, labels (int32) and the per-row logsumexp [rows] float32: O(rows)
-    beyond the logits; no [rows, V] softmax is saved.
+    Residuals: logits, labels (int32) and per row the max and the shifted sum of
+    exponentials ([rows] float32 each): O(rows) beyond the logits; no [rows, V] softmax is
+    saved. Keeping the max and the sum (not only their logsumexp) keeps the gradient exact to
+    f32 rounding at any logit offset: rows of ``softmax - onehot`` sum to 0 at logits of 1e6,
+    and tied logits of 1e8 get equal probabilities.
 
     Sharding: under ``jax.set_mesh`` (explicit or Auto axes), rows may be sharded (data
     parallel) and so may the class axis V (vocab-parallel: per-shard partials combined by
@@ -180,7 +200,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
         outside [0, 1], z_loss < 0, unknown reduction or implementation.
 
     Source: the backward is ``dlogits = g * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)``,
-    the softmax recomputed from the saved lse.
+    the softmax recomputed as ``exp(x - max) / sum`` from the saved row max and sum (the
+    online-softmax statistics of Milakov & Gimelshein 2018).
     """
     op = "cross_entropy"
     B.check_float(op, "logits", logits)
