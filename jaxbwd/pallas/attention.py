@@ -17,6 +17,8 @@ split into two kernels so that nothing is accumulated with atomics):
 - ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
 
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
+Exponentials are ``exp2`` of base-2 logits, ``log2(e)`` folded into the scale (see
+``_logits``); ``lse`` is stored in natural units.
 Causal and sliding-window masks bound the loops, and so do segment ids (each block's
 range of ids gives the range of blocks that can match: ``segment_block_bounds``), so fully
 masked blocks are skipped; the masks are also applied per element. A query row that sees no key has lse = -inf,
@@ -28,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -38,6 +41,7 @@ from jax.experimental import pallas as pl
 from jaxbwd.pallas import _common as C
 
 NEG_INF = float("-inf")
+_LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +177,19 @@ def _mask(d: Dims, rows, cols, qseg, kseg):
 
 
 def _logits(d: Dims, q, k):
-    """scale * q k^T (f32) and, under a softcap, tanh(s / c) for the backward."""
-    s = C.dot(q, k, trans_b=True) * d.scale
+    """The logits in base-2 units, ``log2(e) * scale * q k^T`` (f32), and, under a softcap,
+    ``t = tanh(scale * q k^T / c)`` for the backward.
+
+    Base 2 because the kernels exponentiate with ``exp2`` (one MUFU.EX2; ``exp`` is libdevice
+    ``expf``, about ten instructions): ``log2(e)`` folds into the multiply by ``scale`` (or
+    by the softcap ``c``) that happens anyway, so ``exp(s - m) = exp2(s2 - m2)`` costs
+    nothing extra (the FlashAttention-2/Triton tutorial trick).
+    """
+    qk = C.dot(q, k, trans_b=True)
     if d.softcap is None:
-        return s, None
-    t = jnp.tanh(s / d.softcap)
-    return d.softcap * t, t
+        return qk * (d.scale * C.LOG2E), None
+    t = jnp.tanh(qk * (d.scale / d.softcap))
+    return (d.softcap * C.LOG2E) * t, t
 
 
 def _tile(ref, b, L, rows, head, H, Hp, rmask):
@@ -218,13 +229,13 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
-        s, _ = _logits(d, q, k)
+        s, _ = _logits(d, q, k)  # base 2: m and the exponents below are too
         mask = _mask(d, rows, cols, qs, ks)
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + C.dot(p.astype(v.dtype), v)
         return acc, m_new, l
@@ -235,7 +246,8 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
     seen = l > 0.0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
     C.store(o_ref, q_idx, out, q_mask)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    # The residual stays in natural units: lse = ln(2) * (m2 + log2(l)).
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, NEG_INF)
     C.store(lse_ref, (bh, rows), lse, rmask)
 
 
@@ -269,7 +281,7 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
 def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
     """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile."""
     s, t = _logits(d, q, k)
-    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    p = jnp.where(mask, jnp.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
     dp = C.dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     if t is not None:

@@ -115,7 +115,7 @@ def _ce_bwd_kernel(x_ref, lab_ref, m_ref, s_ref, g_ref, dx_ref, *, t: C.RowTilin
     scale = jnp.where(s > 0.0, 1.0 / jnp.where(s > 0.0, s, 1.0), 0.0)
     if z:
         scale = scale * (1.0 + 2.0 * z * (m + jnp.log(jnp.where(s > 0.0, s, 1.0))))
-    p = jnp.exp(x - m[:, None]) * scale[:, None]
+    p = C.exp(x - m[:, None]) * scale[:, None]
     d = p - jnp.where(cols[None, :] == lab[:, None], 1.0 - eps, 0.0)
     if eps:
         d = d - eps / n_classes
