@@ -6,6 +6,8 @@ shapes span several blocks with ragged tails.
 """
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,7 @@ def _check(impl, B, T, S, N, K, H, dtype="float32", blocks=(8, 8), **kw):
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(ct)
 
-    with PA.block_sizes(*blocks):
+    with PA.block_sizes(*blocks) if blocks else contextlib.nullcontext():
         out, grads = jax.jit(fwd_bwd)(q, k, v, ct)
         if impl == "pallas":
             jaxpr = str(jax.make_jaxpr(fwd_bwd)(q, k, v, ct))
@@ -109,6 +111,16 @@ def test_default_blocks_single_tile(impl):
     want, vjp_ref = jax.vjp(lambda q, k, v: ref.dot_product_attention(q, k, v, is_causal=True), q, k, v)
     _close(out, want, 1e-5)
     _close(vjp(ct), vjp_ref(ct), 1e-5)
+
+
+def test_default_blocks_multi_tile_bf16_head_dim_96():
+    # Head dims over 64 with 16-bit inputs: dq runs 128 x 64 tiles (one warpgroup per 64
+    # query rows on Hopper), dk/dv 64 x 64; 200 queries and 150 keys give several blocks
+    # and ragged tails in every kernel, causal bounds included.
+    d = PA.Dims(1, 200, 150, 2, 1, 96, 96**-0.5, True, None, None, False)
+    assert PA._blocks(d, "dq", jnp.bfloat16)[:2] == (128, 64)
+    assert PA._blocks(d, "dq", jnp.float32)[:2] == (64, 64)
+    _check("pallas", 1, 200, 150, 2, 1, 96, dtype="bfloat16", blocks=None, is_causal=True)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

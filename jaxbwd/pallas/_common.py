@@ -183,6 +183,34 @@ def _has_abstract_gpu() -> bool:
     return dev is not None and getattr(dev, "platform", None) in ("cuda", "rocm", "gpu")
 
 
+_SM_BY_KIND = (("B200", 100), ("B100", 100), ("H100", 90), ("H200", 90), ("H800", 90), ("H20", 90),
+               ("A100", 80), ("A800", 80), ("A30", 80))
+
+
+def sm_version() -> int:
+    """Compute capability (major * 10 + minor) of the GPU the kernels are built for.
+
+    The abstract device when lowering for a GPU from a CPU machine, else the default
+    device; 90 (Hopper) when neither names a GPU (interpret mode), since block sizes only
+    change coverage there, not results.
+    """
+    try:
+        dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # pragma: no cover - older API
+        dev = None
+    kind = getattr(dev, "device_kind", None) if dev is not None and getattr(dev, "platform", None) == "cuda" else None
+    if kind is None and jax.default_backend() == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        if cc:
+            major, _, minor = str(cc).partition(".")
+            return int(major) * 10 + int(minor or 0)
+        kind = jax.devices()[0].device_kind
+    for name, sm in _SM_BY_KIND:
+        if kind and name in kind:
+            return sm
+    return 90
+
+
 def _check_can_run(name: str, interpret: bool) -> None:
     if interpret or _has_abstract_gpu():
         return

@@ -83,20 +83,35 @@ def block_sizes(block_q: int, block_k: int):
         _BLOCKS.reset(token)
 
 
-def _blocks(d: Dims, fwd: bool):
-    """(block_q, block_k, num_warps) for the forward or the backward kernels."""
+def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
+    """(block_q, block_k, num_warps) for kernel ``kind``: "fwd", "dkdv" or "dq".
+
+    Head dims over 64 run 8 warps (two warpgroups). Hopper's wgmma splits a dot's M rows
+    between the warpgroups only when M >= 128; with 64-row accumulators both warpgroups
+    compute the same rows and every exp and mask is done twice (seen in the compiled SASS:
+    ``python -m jaxbwd compile``). So on sm_90+ with 16-bit inputs dq, whose accumulator is
+    [block_q, H], takes 128 query rows (compiled at head_dim 128: ex2 and instructions per
+    S element halved, no spills). Not on sm_80 (mma.sync is per warp: no replica, and 128
+    rows take 255 registers), not for f32 (spills, and over A100's shared memory), and not
+    for dk/dv: its two [block_k, H] f32 accumulators at block_k = 128 need 128 registers per
+    thread by themselves and the kernel spills.
+    """
     over = _BLOCKS.get()
     bq_cap = max(16, C.next_pow2(d.T))
     bk_cap = max(16, C.next_pow2(d.S))
+    num_warps = 4 if d.Hp <= 64 else 8
     if over is not None:
         bq, bk = over
-    elif fwd:
+    elif kind == "fwd":
         bq, bk = (128, 64) if d.Hp <= 128 else (64, 32)
+    elif d.Hp > 128:
+        bq, bk = 32, 32
+    elif kind == "dq" and num_warps == 8 and jnp.dtype(dtype).itemsize == 2 and C.sm_version() >= 90:
+        bq, bk = 128, 64
     else:
-        bq, bk = (64, 64) if d.Hp <= 128 else (32, 32)
+        bq, bk = 64, 64
     if over is None:
         bq, bk = min(bq, bq_cap), min(bk, bk_cap)
-    num_warps = 4 if d.Hp <= 64 else 8
     return bq, bk, num_warps
 
 
@@ -264,7 +279,7 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     Returns:
       out [B*T, N*H] in q's dtype and lse [B*N, T] float32 (-inf for rows that see no key).
     """
-    bq, bk, nw = _blocks(d, fwd=True)
+    bq, bk, nw = _blocks(d, "fwd")
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2) + segs
     out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
@@ -364,17 +379,13 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     ``delta = rowsum(out * dout)`` (f32 [B*N, T]) is computed by XLA: one fused read of out
     and dout. Arguments are the views described in :func:`attention_fwd`.
     """
-    bq, bk, nw = _blocks(d, fwd=False)
     delta = jnp.sum(
         (o2.astype(jnp.float32) * do2.astype(jnp.float32)).reshape(d.B, d.T, d.N, d.H), axis=-1
     ).transpose(0, 2, 1).reshape(d.B * d.N, d.T)
     base = (q2, k2, v2, do2, lse, delta)
-    if d.segments:
-        kv_inputs = base + (qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq))
-        inputs = base + (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk))
-    else:
-        kv_inputs = inputs = base
-    nbytes = C.nbytes(*inputs)
+    bq, bk, nw = _blocks(d, "dkdv")
+    kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
+    nbytes = C.nbytes(*base)
     dkdv = C.call(
         functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dkdv",
         grid=(C.cdiv(d.S, bk), d.B * d.K),
@@ -383,6 +394,8 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(k2, v2),
     )
     dk, dv = dkdv(*kv_inputs)
+    bq, bk, nw = _blocks(d, "dq", q2.dtype)
+    inputs = base + ((qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ())
     dq = C.call(
         functools.partial(_dq_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dq",
         grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
