@@ -246,3 +246,22 @@ def test_bad_inputs(name, make, kw, error, match):
     with pytest.raises(error, match=match) as info:
         dot_product_attention(*make(), **kw)
     assert "dot_product_attention" in str(info.value)
+
+
+@pytest.mark.parametrize("precision,want", [(None, "tf32"), ("tensorfloat32", "tf32"), ("highest", "tf32x3"), ("float32", "tf32x3")])
+def test_f32_dots_follow_default_matmul_precision(precision, want):
+    # f32 tiles run the tensor cores as XLA's f32 dots do: TF32 by default, 3xTF32 for
+    # "highest"; read from the kernels' Triton IR.
+    import re
+
+    s = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+
+    def bwd(q):
+        out, vjp = jax.vjp(lambda q: dot_product_attention(q, q, q, implementation="pallas"), q)
+        return vjp(out)
+
+    with config.use(interpret=False), jax.default_matmul_precision(precision):
+        ir = C.triton_ir(C.lower_for_gpu(bwd, s))
+    assert set(ir) == set(KERNELS)
+    for name, text in ir.items():
+        assert set(re.findall(r"inputPrecision = (\w+)", text)) == {want}, name

@@ -11,6 +11,7 @@ compiler parameters) in this file so that a Mosaic GPU variant can sit beside it
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -18,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -243,6 +245,13 @@ def call(
 
     def launch(*args):
         args, out = _vary_together(args, out_shape)
+        token = _INTERPRETING.set(bool(interpret))
+        try:
+            return _launch(args, out)
+        finally:
+            _INTERPRETING.reset(token)
+
+    def _launch(args, out):
         return pl.pallas_call(
             kernel,
             out_shape=out,
@@ -385,13 +394,38 @@ def row_reduce_then_write(t: RowTiling, load_chunk, row_sums, write_chunk):
     return None
 
 
-def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """Tile matmul with f32 accumulation (Triton ``tl.dot``); f32 inputs without TF32.
+# Set while a kernel body is traced for interpret mode: its dots then run as plain f32 on
+# the CPU, which has no TF32 algorithms.
+_INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxbwd_interpreting", default=False)
 
+# jax.default_matmul_precision -> the f32 dot algorithm: TF32 (one tensor-core pass, 10-bit
+# mantissa inputs) by default, as XLA's own f32 dots on Ampere and later; 3xTF32 (split
+# inputs, about f32 accuracy, still tensor cores) for "float32"/"highest".
+_F32_EXACT = ("highest", "float32", "tensorfloat32_3x", "bfloat16_3x")
+
+
+def f32_dot_precision():
+    """The dot algorithm f32 kernel tiles use under the current ``jax.default_matmul_precision``
+    (``None``, plain f32, while tracing for interpret mode)."""
+    if _INTERPRETING.get():
+        return None  # plain f32 on the CPU
+    name = str(jax.config.jax_default_matmul_precision or "default").lower()
+    if name in _F32_EXACT:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.DotAlgorithmPreset.TF32_TF32_F32
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """Tile matmul with f32 accumulation (Triton ``tl.dot``).
+
+    16-bit inputs run the tensor cores directly. f32 inputs follow
+    ``jax.default_matmul_precision`` as XLA's dots do (``f32_dot_precision``): TF32 by default,
+    3xTF32 for ``"float32"``/``"highest"``; both use the tensor cores (an IEEE f32 dot is an
+    FMA loop that spills at attention's tile sizes). Interpret mode computes exact f32.
     Tiles must have every dimension >= 16 when lowered for a GPU (interpret mode accepts any).
     """
-    allow_tf32 = False if a.dtype == jnp.float32 else None
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32).astype(jnp.float32)
+    precision = f32_dot_precision() if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision).astype(jnp.float32)
 
 
 def finite_or_zero(m):

@@ -104,12 +104,15 @@ def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
         bq, bk = over
     elif kind == "fwd":
         bq, bk = (128, 64) if d.Hp <= 128 else (64, 32)
+
     elif d.Hp > 128:
         bq, bk = 32, 32
     elif kind == "dq" and num_warps == 8 and jnp.dtype(dtype).itemsize == 2 and C.sm_version() >= 90:
         bq, bk = 128, 64
     else:
         bq, bk = 64, 64
+    if over is None and jnp.dtype(dtype) == jnp.float32 and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+        bq, bk = min(bq, 64), min(bk, 32)  # 3xTF32 splits each tile in two: halve them
     if over is None:
         bq, bk = min(bq, bq_cap), min(bk, bk_cap)
     return bq, bk, num_warps
@@ -279,7 +282,7 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     Returns:
       out [B*T, N*H] in q's dtype and lse [B*N, T] float32 (-inf for rows that see no key).
     """
-    bq, bk, nw = _blocks(d, "fwd")
+    bq, bk, nw = _blocks(d, "fwd", q2.dtype)
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2) + segs
     out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
@@ -383,7 +386,7 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         (o2.astype(jnp.float32) * do2.astype(jnp.float32)).reshape(d.B, d.T, d.N, d.H), axis=-1
     ).transpose(0, 2, 1).reshape(d.B * d.N, d.T)
     base = (q2, k2, v2, do2, lse, delta)
-    bq, bk, nw = _blocks(d, "dkdv")
+    bq, bk, nw = _blocks(d, "dkdv", q2.dtype)
     kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
     nbytes = C.nbytes(*base)
     dkdv = C.call(
