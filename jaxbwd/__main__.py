@@ -92,7 +92,7 @@ def _check(args) -> int:
         ("op", "implementation", "checked", "max abs err", "scaled err", "result"),
         [(r.op, r.implementation, "forward" if r.arg == "out" else f"grad {r.arg}", f"{r.max_abs:.2e}",
           f"{r.max_rel:.2e}", "pass" if r.ok else "FAIL") for r in rows],
-        width=None if args.wide else TABLE_WIDTH,
+        width=None if args.wide else TABLE_WIDTH, align="<<<>><",
     ))
     failed = [r for r in rows if not r.ok]
     print(f"checked: the op's output (forward) or the gradient of one input (grad NAME)\n"
