@@ -126,14 +126,17 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     ops_help = "op names, space-separated (default: all; `list` shows them)"
     wide_help = "one line per row, however wide (default: wrap to 120 columns)"
-    pl = sub.add_parser("list", help="print the op registry as a table")
+    text = "print the op registry as a table"
+    pl = sub.add_parser("list", help=text, description=text)
     pl.add_argument("--ops", nargs="*", help=ops_help)
     pl.add_argument("--wide", action="store_true", help=wide_help)
-    pc = sub.add_parser("check", help="gradient check of each op against autodiff of its reference (about a "
-                        "minute on CPU, where the Pallas kernels run in interpret mode)")
+    text = ("gradient check of each op against autodiff of its reference (about a minute on CPU, where the "
+            "Pallas kernels run in interpret mode)")
+    pc = sub.add_parser("check", help=text, description=text)
     pc.add_argument("--ops", nargs="*", help=ops_help)
     pc.add_argument("--wide", action="store_true", help=wide_help)
-    pb = sub.add_parser("bench", help="time fwd+bwd vs XLA autodiff of the reference; residual and temp memory")
+    text = "time fwd+bwd vs XLA autodiff of the reference; residual and temp memory"
+    pb = sub.add_parser("bench", help=text, description=text)
     pb.add_argument("--ops", nargs="*", help=ops_help)
     pb.add_argument("--size", choices=["small", "llm"], default=None,
                     help="input shapes: small (test-sized, float32; the default on CPU) or llm (realistic "
