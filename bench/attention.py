@@ -32,8 +32,8 @@ def _residual_bytes(f, *args):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per case; the median is reported (default 10)")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     B, N, H = (2, 16, 128) if on_gpu else (1, 4, 64)

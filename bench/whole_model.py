@@ -70,8 +70,9 @@ def step_time(cfg, ops, repeats=5) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json")
-    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.add_argument("--skip-timing", action="store_true",
+                   help="report compiled temporary memory only, without timing the train steps")
     args = p.parse_args(argv)
     impl = jaxbwd.config.default_implementation()
     ours, plain = lm.jaxbwd_ops(impl), lm.plain_ops()

@@ -85,14 +85,16 @@ def psnr(a, b) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--crop", type=int, default=48, help="high-res crop size (even)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--implementation", choices=["xla", "pallas"], default=None)
-    p.add_argument("--name", default=None)
-    p.add_argument("--out", default="runs")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000, about 1-2 minutes on CPU)")
+    p.add_argument("--batch", type=int, default=16, help="crops per step")
+    p.add_argument("--crop", type=int, default=48, help="high-res crop size in pixels (even; the input is half of it)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to 5%%)")
+    p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
+                   help="jaxbwd implementation (default: pallas on GPU, xla elsewhere; pallas without a GPU runs "
+                        "the kernels in interpret mode, slowly)")
+    p.add_argument("--name", default=None, help="run name under --out (default: superres-IMPLEMENTATION)")
+    p.add_argument("--out", default="runs", help="output folder (default: runs/ in the current directory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.crop % 2:
         raise SystemExit("train_superres: --crop must be even")

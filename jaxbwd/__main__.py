@@ -5,21 +5,63 @@ import argparse
 import sys
 
 
-def _table(headers, rows) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+TABLE_WIDTH = 120
+
+
+def _table(headers, rows, width=TABLE_WIDTH, align=None, notes=None) -> str:
+    """Fixed-width text table. Columns are narrowed one character at a time, widest first
+    (not below 12 characters or their header), until a line fits in ``width`` characters
+    (``None``: no limit); a longer cell wraps onto continuation lines.
+
+    ``align``: one "<" or ">" per column (default: all left). ``notes``: ``(label, texts)``
+    with one text per row, printed as an indented ``label: text`` paragraph under the row;
+    with ``width=None`` it is a last column instead (one line per row).
+    """
+    import textwrap
+
+    if notes is not None and width is None:
+        label, texts = notes
+        headers, rows, notes = (*headers, label), [(*r, t) for r, t in zip(rows, texts)], None
+        align = align and align + "<"
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    align = align or "<" * len(headers)
+
+    def total():
+        return sum(widths) + 2 * (len(widths) - 1)
+
+    while width is not None and total() > width:
+        i = max(range(len(widths)), key=widths.__getitem__)
+        if widths[i] <= max(12, len(cells[0][i])):
+            break  # nothing left to narrow: the table stays wider than asked
+        widths[i] -= 1
+
+    def lines(row):
+        wrapped = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] for c, w in zip(row, widths)]
+        for k in range(max(map(len, wrapped))):
+            parts = [col[k] if k < len(col) else "" for col in wrapped]
+            yield "  ".join(f"{c:{a}{w}}" for c, a, w in zip(parts, align, widths)).rstrip()
+
+    out = [*lines(cells[0]), "  ".join("-" * w for w in widths)]
+    for k, row in enumerate(cells[1:]):
+        out.extend(lines(row))
+        if notes is not None:
+            out.extend(textwrap.wrap(f"{notes[0]}: {notes[1][k]}", width, initial_indent="    ",
+                                     subsequent_indent="      "))
+    return "\n".join(out)
 
 
 def _list(args) -> int:
     from jaxbwd import registry
 
+    specs = registry.ops(args.ops)
     rows = [
         (s.name, s.family, ", ".join(_diff_names(s)), ", ".join(s.static_params) or "-",
-         ", ".join(s.kernels) or "- (XLA by design)", s.backward)
-        for s in registry.ops(args.ops)
+         ", ".join(s.kernels) or "- (XLA by design)")
+        for s in specs
     ]
-    print(_table(("op", "family", "differentiable", "static params", "Pallas kernels", "backward"), rows))
+    print(_table(("op", "family", "differentiable", "static params", "Pallas kernels"), rows,
+                 width=None if args.wide else TABLE_WIDTH, notes=("backward", [s.backward for s in specs])))
     return 0
 
 
@@ -35,14 +77,26 @@ def _check(args) -> int:
     from jaxbwd.check import check
 
     print(f"jax {jax.__version__}, backend {jax.default_backend()}"
-          + ("" if jax.default_backend() == "gpu" else " (Pallas kernels in interpret mode)"))
-    rows = check(args.ops)
+          + ("" if jax.default_backend() == "gpu" else " (Pallas kernels in interpret mode)"), flush=True)
+    tty = sys.stderr.isatty()
+
+    def progress(i, n, name):  # on stderr, so that stdout holds only the report
+        if tty:  # one line, rewritten in place and erased at the end
+            text = f"checking op {i + 1}/{n}: {name} ..." if i < n else ""
+            print("\r" + text.ljust(60) + "\r" * (i == n), end="", file=sys.stderr, flush=True)
+        elif i < n:
+            print(f"checking op {i + 1}/{n}: {name} ...", file=sys.stderr, flush=True)
+
+    rows = check(args.ops, progress=progress)
     print(_table(
-        ("op", "implementation", "grad", "max abs err", "scaled err", "result"),
-        [(r.op, r.implementation, r.arg, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", "pass" if r.ok else "FAIL") for r in rows],
+        ("op", "implementation", "checked", "max abs err", "scaled err", "result"),
+        [(r.op, r.implementation, "forward" if r.arg == "out" else f"grad {r.arg}", f"{r.max_abs:.2e}",
+          f"{r.max_rel:.2e}", "pass" if r.ok else "FAIL") for r in rows],
+        width=None if args.wide else TABLE_WIDTH, align="<<<>><",
     ))
     failed = [r for r in rows if not r.ok]
-    print(f"scaled err = max|jaxbwd - autodiff| / max(1, max|autodiff|); pass below 1e-4\n"
+    print(f"checked: the op's output (forward) or the gradient of one input (grad NAME)\n"
+          f"scaled err = max|jaxbwd - autodiff| / max(1, max|autodiff|); pass below 1e-4\n"
           f"{len(rows) - len(failed)} checks ok, {len(failed)} failing")
     return 1 if failed else 0
 
@@ -52,6 +106,10 @@ def _bench(args) -> int:
 
     from jaxbwd import bench
 
+    why = bench.unavailable(args.implementation)
+    if why:  # a backend this machine cannot time: one line, no traceback
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     report = bench.run(args.ops, size=args.size, implementation=args.implementation, repeats=args.repeats)
     print(bench.format_table(report))
     if args.json:
@@ -94,7 +152,7 @@ def _compile(args) -> int:
     if len(gpus) == 1:  # one target: no gpu column
         i = headers.index("gpu")
         headers, rows = headers[:i] + headers[i + 1:], [r[:i] + r[i + 1:] for r in rows]
-    print(_table(headers, rows))
+    print(_table(headers, rows, width=None if args.wide else TABLE_WIDTH))
     for f in report["failures"]:
         print(f"FAILED {f['case']}: {f['error']}")
     missing_k = deviceless.missing_kernels(report, cases)
@@ -107,7 +165,7 @@ def _compile(args) -> int:
         with open(args.baseline) as f:
             h, rows = deviceless.compare(json.load(f), report)
         print(f"\nchanges against {args.baseline}:")
-        print(_table(h, rows))
+        print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
     if args.json:
         import json
 
@@ -123,32 +181,47 @@ def main(argv=None) -> int:
     """Entry point of ``python -m jaxbwd`` and the ``jaxbwd`` script."""
     p = argparse.ArgumentParser(prog="python -m jaxbwd", description="jaxbwd: JAX ops with Pallas backward kernels")
     sub = p.add_subparsers(dest="cmd", required=True)
-    pl = sub.add_parser("list", help="print the op registry as a table")
-    pl.add_argument("--ops", nargs="*", help="op names (default: all)")
-    pc = sub.add_parser("check", help="gradient check of each op against autodiff of its reference")
-    pc.add_argument("--ops", nargs="*", help="op names (default: all)")
-    pb = sub.add_parser("bench", help="time fwd+bwd vs XLA autodiff of the reference; residual and temp memory")
-    pb.add_argument("--ops", nargs="*", help="op names (default: all)")
-    pb.add_argument("--size", choices=["small", "llm"], default="small")
-    pb.add_argument("--implementation", choices=["pallas", "xla"], default=None)
-    pb.add_argument("--repeats", type=int, default=10)
-    pb.add_argument("--json", help="write the report as JSON")
-    pb.add_argument("--plot", help="write a PNG chart of the ratios")
+    ops_help = "op names, space-separated (default: all; `list` shows them)"
+    wide_help = "one line per row, however wide (default: wrap to 120 columns)"
+    text = "print the op registry as a table"
+    pl = sub.add_parser("list", help=text, description=text)
+    pl.add_argument("--ops", nargs="*", help=ops_help)
+    pl.add_argument("--wide", action="store_true", help=wide_help)
+    text = ("gradient check of each op against autodiff of its reference (about a minute on CPU, where the "
+            "Pallas kernels run in interpret mode)")
+    pc = sub.add_parser("check", help=text, description=text)
+    pc.add_argument("--ops", nargs="*", help=ops_help)
+    pc.add_argument("--wide", action="store_true", help=wide_help)
+    text = "time fwd+bwd vs XLA autodiff of the reference; residual and temp memory"
+    pb = sub.add_parser("bench", help=text, description=text)
+    pb.add_argument("--ops", nargs="*", help=ops_help)
+    pb.add_argument("--size", choices=["small", "llm"], default=None,
+                    help="input shapes: small (test-sized, float32; the default on CPU) or llm (realistic "
+                         "training shapes, mostly bf16; the default on GPU, slow on CPU)")
+    pb.add_argument("--implementation", choices=["pallas", "xla"], default=None,
+                    help="what to time against autodiff: pallas (the compiled kernels; needs a GPU) or xla "
+                         "(jaxbwd's XLA backward). Default: pallas on GPU, xla elsewhere")
+    pb.add_argument("--repeats", type=int, default=10, help="timed runs per op after 2 warm-up runs; the median "
+                    "is reported (default 10)")
+    pb.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    pb.add_argument("--plot", metavar="PATH", help="also write a PNG chart of speedup and residual-memory ratio "
+                    "per op to PATH (needs matplotlib)")
     pg = sub.add_parser(
         "compile", help="compile every Pallas kernel for a GPU without one; registers, spills, occupancy, SASS mix",
         description="Compiles each op's forward+backward at the registry's realistic shapes with XLA's own "
                     "GPU compiler (deviceless, on this CPU machine) and reads registers, spills, shared memory, "
                     "occupancy, tensor-core instructions and bytes from the compiled kernels. "
                     "Needs: pip install -e \".[compile]\" (Python >= 3.12).")
-    pg.add_argument("--ops", nargs="*", help="op names (default: every op with Pallas kernels)")
+    pg.add_argument("--ops", nargs="*", help="op names, space-separated (default: every op with Pallas kernels)")
     pg.add_argument("--gpu", default="h200",
                     help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100)")
     pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16")
     pg.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed")
-    pg.add_argument("--json", help="write the full report (every figure per kernel) as JSON")
-    pg.add_argument("--markdown", help="write the table with a legend as Markdown")
-    pg.add_argument("--baseline", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
+    pg.add_argument("--json", metavar="PATH", help="write the full report (every figure per kernel) as JSON")
+    pg.add_argument("--markdown", metavar="PATH", help="write the table with a legend as Markdown")
+    pg.add_argument("--wide", action="store_true", help=wide_help)
+    pg.add_argument("--baseline", metavar="PATH", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
     args = p.parse_args(argv)
     if args.cmd == "compile":
         import os

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
+import textwrap
 import time
 from typing import Any, Optional, Sequence
 
@@ -148,23 +150,43 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
     )
 
 
-def run(ops: Optional[Sequence[str]] = None, size: str = "small", implementation: Optional[str] = None,
+def default_size() -> str:
+    """``"llm"`` on a GPU, ``"small"`` elsewhere (realistic shapes take minutes per op on a CPU)."""
+    return "llm" if jax.default_backend() == "gpu" else "small"
+
+
+def unavailable(implementation: Optional[str] = None) -> Optional[str]:
+    """Why ``implementation`` (``None``: the configured default) cannot be benchmarked on this
+    machine, as one sentence; ``None`` when it can. Pallas kernels are timed on a GPU only:
+    elsewhere they run in interpret mode, which times the interpreter, not the kernels."""
+    impl = implementation or config.default_implementation()
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        return (f"jaxbwd bench: the Pallas kernels are timed on a GPU only (this backend: {jax.default_backend()}; "
+                "interpret mode would time the interpreter); use --implementation xla here, or "
+                "`python -m jaxbwd check` to test the kernels in interpret mode")
+    return None
+
+
+def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, implementation: Optional[str] = None,
         repeats: int = 10) -> dict[str, Any]:
     """Benchmarks the named ops (all when ``None``) and returns a JSON-able report.
 
     Args:
-      ops: op names. size: ``"small"`` (test shapes, f32) or ``"llm"`` (realistic shapes).
+      ops: op names. size: ``"small"`` (test shapes, f32) or ``"llm"`` (realistic shapes);
+        ``None``: :func:`default_size`.
       implementation: defaults to ``jaxbwd.config.default_implementation()``; on CPU that is
         XLA (interpret-mode kernels are not benchmarked).
 
     Raises:
-      ValueError: unknown size. KeyError: unknown op.
+      ValueError: unknown size, or Pallas without a GPU (see :func:`unavailable`). KeyError: unknown op.
     """
+    size = size or default_size()
     if size not in ("small", "llm"):
         raise ValueError(f"jaxbwd bench: size must be 'small' or 'llm', got {size!r}")
+    why = unavailable(implementation)
+    if why:
+        raise ValueError(why)
     impl = implementation or config.default_implementation()
-    if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError("jaxbwd bench: Pallas kernels are benchmarked on a GPU only; use implementation='xla' here")
     copy = copy_bandwidth()
     rows = []
     for spec in registry.ops(ops):
@@ -176,25 +198,50 @@ def run(ops: Optional[Sequence[str]] = None, size: str = "small", implementation
     }
 
 
-def _mib(n):
-    return "-" if n is None else f"{n / 2**20:.1f}"
+def _num(x: float) -> str:
+    """Three significant digits (two below 0.001), no exponent above 1e-5:
+    12345, 123, 1.23, 0.00123, 0.00012, 1.2e-06."""
+    if x == 0 or abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) < 1e-3:
+        return f"{x:.2g}"
+    return f"{x:.{2 - math.floor(math.log10(abs(x)))}f}"
+
+
+def _bytes(n: Optional[int]) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1 ("-" when unknown)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{_num(n / scale)} {unit}"
+    return f"{n} B"
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report of :func:`run` as a fixed-width text table with a title line."""
-    head = ("op", "impl", "ms", "autodiff ms", "speedup", "GB/s", "of copy", "TFLOP/s",
-            "resid MiB", "autodiff resid MiB", "temp MiB", "autodiff temp MiB")
+    """The report of :func:`run` as a text table (at most 120 columns) with a title line and
+    a key to the columns. Figures have three significant digits, bytes their own unit."""
+    head = ("op", "impl", "ms", "ref ms", "speedup", "GB/s", "%copy", "TFLOP/s",
+            "resid", "ref resid", "temp", "ref temp")
     rows = [
-        (r["op"], r["implementation"], f"{r['ms']:.3f}", f"{r['ms_autodiff']:.3f}", f"{r['speedup']:.2f}x",
-         f"{r['gb_s']:.1f}", f"{r['of_copy']:.0%}", "-" if r["tflop_s"] is None else f"{r['tflop_s']:.1f}",
-         _mib(r["residual_bytes"]), _mib(r["residual_bytes_autodiff"]), _mib(r["temp_bytes"]), _mib(r["temp_bytes_autodiff"]))
+        (r["op"], r["implementation"], _num(r["ms"]), _num(r["ms_autodiff"]), f"{_num(r['speedup'])}x",
+         _num(r["gb_s"]), f"{_num(100 * r['of_copy'])}%", "-" if r["tflop_s"] is None else _num(r["tflop_s"]),
+         _bytes(r["residual_bytes"]), _bytes(r["residual_bytes_autodiff"]), _bytes(r["temp_bytes"]),
+         _bytes(r["temp_bytes_autodiff"]))
         for r in report["rows"]
     ]
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    def line(cells):  # names left, figures right; one space between figures keeps it in 120 columns
+        return (f"{cells[0]:<{widths[0]}}  {cells[1]:>{widths[1]}}  "
+                + " ".join(f"{c:>{w}}" for c, w in zip(cells[2:], widths[2:])))
+
     title = (f"jaxbwd bench ({report['size']}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
-             f"{report['date']}; copy bandwidth {report['copy_gb_s']:.1f} GB/s")
-    return "\n".join([title, line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+             f"{report['date']}; copy bandwidth {_num(report['copy_gb_s'])} GB/s")
+    key = ("ref = jax.grad of the op's plain-jnp reference (XLA autodiff); ms: forward + backward, median; "
+           "speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; resid: bytes saved for the backward; "
+           "temp: compiled temporary memory")
+    return "\n".join(textwrap.wrap(title, 120) + [line(head), line(["-" * w for w in widths])]
+                     + [line(r) for r in rows] + textwrap.wrap(key, 120))
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -210,14 +257,14 @@ def plot(report: dict[str, Any], path: str) -> None:
     speed = [r["speedup"] for r in rows]
     mem = [r["residual_bytes_autodiff"] / max(r["residual_bytes"], 1) for r in rows]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)) + 3, 4))  # + room for the legend
     ax.bar(x - 0.2, speed, 0.4, label="speedup vs autodiff (time)")
     ax.bar(x + 0.2, mem, 0.4, label="autodiff / jaxbwd residual bytes")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(x, names, rotation=45, ha="right")
     ax.set_yscale("log")
     ax.set_title(f"jaxbwd vs XLA autodiff, {report['size']}, {report['device']}")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the axes: it covers no bar
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,7 +8,7 @@ mode, so the kernel code itself is what is checked.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,18 +73,28 @@ def check_op(spec: registry.OpSpec, implementation: str, *, tol: float = 1e-4, s
     return rows
 
 
-def check(ops: Optional[Sequence[str]] = None, implementations: Sequence[str] = ("xla", "pallas")) -> list[CheckRow]:
+def check(ops: Optional[Sequence[str]] = None, implementations: Sequence[str] = ("xla", "pallas"),
+          progress: Optional[Callable[[int, int, str], None]] = None) -> list[CheckRow]:
     """Runs :func:`check_op` for the named ops (all when ``None``) and implementations.
 
     Ops whose backward is XLA by design are checked with ``"xla"`` only.
 
+    Args:
+      progress: called as ``progress(i, n, name)`` before the ``i``-th of ``n`` ops, and as
+        ``progress(n, n, "")`` when all are done.
+
     Raises:
       KeyError: an unknown op name.
     """
+    specs = registry.ops(ops)
     rows = []
-    for spec in registry.ops(ops):
+    for i, spec in enumerate(specs):
+        if progress is not None:
+            progress(i, len(specs), spec.name)
         for impl in implementations:
             if impl == "pallas" and not spec.has_kernels:
                 continue
             rows.extend(check_op(spec, impl))
+    if progress is not None:
+        progress(len(specs), len(specs), "")
     return rows

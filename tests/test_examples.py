@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -24,10 +25,13 @@ def test_train_lm_tiny_loss_goes_down(tmp_path):
     stdout = _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "40", "--max-bytes", "400000",
                    "--name", "smoke"], tmp_path)
     m = json.loads((tmp_path / "smoke" / "metrics.json").read_text())
-    first, last = sum(m["train_loss"][:5]) / 5, sum(m["train_loss"][-5:]) / 5
-    assert last < first - 0.5, (first, last)
+    first, last = sum(m["train_bits_per_byte"][:5]) / 5, sum(m["train_bits_per_byte"][-5:]) / 5
+    assert last < first - 0.7, (first, last)  # bits/byte (0.7 bits = 0.49 nats)
     assert (tmp_path / "smoke" / "loss.png").stat().st_size > 1000
     assert "bits/byte" in stdout and "sample:" in stdout
+    assert "nats" not in stdout.split("sample:")[0]  # one unit throughout
+    assert re.search(r"^step 40: train \d+\.\d{3} bits/byte \(mean of steps 31-40\), held-out \d+\.\d{3} bits/byte$",
+                     stdout, re.M), stdout
 
 
 def test_train_lm_check_grads_match_plain_model(tmp_path):
@@ -38,10 +42,11 @@ def test_train_lm_check_grads_match_plain_model(tmp_path):
 
 
 def test_train_lm_pallas_interpret_tiny(tmp_path):
-    _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "3", "--max-bytes", "200000",
-          "--implementation", "pallas", "--name", "pallas"], tmp_path)
+    stdout = _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "3", "--max-bytes", "200000",
+                   "--implementation", "pallas", "--name", "pallas"], tmp_path)
+    assert "interpret mode" in stdout and "--preset tiny" not in stdout  # no advice to do what was done
     m = json.loads((tmp_path / "pallas" / "metrics.json").read_text())
-    assert m["implementation"] == "pallas" and len(m["train_loss"]) == 3
+    assert m["implementation"] == "pallas" and len(m["train_bits_per_byte"]) == 3
 
 
 @pytest.mark.parametrize("implementation,axis_type", [("xla", "explicit"), ("pallas", "explicit"), ("pallas", "auto")])
@@ -53,11 +58,11 @@ def test_train_lm_mesh_matches_single_device(tmp_path, implementation, axis_type
     _run(common + ["--name", "one"], tmp_path, env=cpu)
     stdout = _run(common + ["--name", "mesh", "--mesh", "data=4,model=2", "--axis-type", axis_type], tmp_path, env=cpu)
     assert f"({axis_type} axes) on 8 cpu devices" in stdout
-    one = json.loads((tmp_path / "one" / "metrics.json").read_text())["train_loss"]
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())["train_bits_per_byte"]
     mesh = json.loads((tmp_path / "mesh" / "metrics.json").read_text())
-    assert mesh["mesh"] == "data=4,model=2" and len(mesh["train_loss"]) == len(one) == 4
+    assert mesh["mesh"] == "data=4,model=2" and len(mesh["train_bits_per_byte"]) == len(one) == 4
     # sums run in a different order across shards: equal to float32 rounding, not bitwise
-    np.testing.assert_allclose(mesh["train_loss"], one, rtol=1e-5)
+    np.testing.assert_allclose(mesh["train_bits_per_byte"], one, rtol=1e-5)
 
 
 def test_train_superres_tiny_loss_goes_down(tmp_path):

@@ -156,3 +156,25 @@ def test_set_default_is_process_wide_and_keeps_unset_fields():
     finally:
         config.set_default(implementation="auto", interpret=True)
     assert config.default_implementation() == "xla"  # auto on CPU
+
+
+def test_jitted_function_keeps_the_implementation_it_was_traced_with():
+    """What the README says of its `step`: the setting is read at trace time only."""
+    x = jnp.linspace(-2.0, 2.0, 24, dtype=jnp.float32).reshape(3, 8)
+
+    def loss(x):
+        return jaxbwd.silu(x).sum()
+
+    def has_kernel(f):
+        return "pallas_call" in str(jax.make_jaxpr(f)(x))
+
+    step = jax.jit(jax.grad(loss))
+    with config.use(implementation="xla"):
+        want = step(x)  # traced and compiled here, with XLA
+    with config.use(implementation="pallas", interpret=True):
+        assert has_kernel(jax.grad(loss))  # a function traced in the block sees its setting ...
+        assert not has_kernel(step)  # ... the step traced before it keeps XLA
+        assert not has_kernel(jax.jit(step.__wrapped__))  # jax caches traces per function
+        fresh = jax.jit(jax.grad(loss))  # the README's remedy: a new function, traced here
+        assert has_kernel(fresh)
+        np.testing.assert_allclose(fresh(x), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,122 @@
+"""The command line as a user meets it: `python -m jaxbwd list | check | bench` and the
+examples' options."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+from unittest import mock
+
+import jax
+import pytest
+
+from jaxbwd import __main__ as cli
+from jaxbwd import bench, registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _width(text: str) -> int:
+    return max(map(len, text.splitlines()))
+
+
+def test_list_fits_120_columns_and_wide_keeps_one_line_per_op(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert _width(out) <= 120
+    for spec in registry.ops():
+        assert spec.name in out and all(k in out for k in spec.kernels)
+        assert " ".join(spec.backward.split()[:3]) in out  # the backward text, wrapped but present
+    assert cli.main(["list", "--wide"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert len(wide) == 2 + len(registry.ops())  # header, rule, one line per op
+    assert _width("\n".join(wide)) > 120
+
+
+def test_table_wraps_long_cells_and_keeps_every_word():
+    rows = [("a", "word " * 40), ("b", "short")]
+    text = cli._table(("name", "text"), rows, width=40)
+    assert _width(text) <= 40
+    assert text.count("word") == 40 and "short" in text
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the Pallas kernels can be timed")
+def test_bench_pallas_without_gpu_is_one_line_and_exit_2(capsys):
+    assert cli.main(["bench", "--implementation", "pallas", "--ops", "silu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("error: jaxbwd bench:") and "GPU" in err
+    with pytest.raises(ValueError, match="timed on a GPU only"):
+        bench.run(["silu"], implementation="pallas")
+
+
+def test_check_reports_progress_and_names_forward_and_grad_rows(capsys):
+    assert cli.main(["check", "--ops", "silu", "rms_norm"]) == 0
+    out, err = capsys.readouterr()
+    assert "checking op 1/2: silu" in err and "checking op 2/2: rms_norm" in err  # stderr is no tty here
+    rows = [line.split() for line in out.splitlines() if line.startswith(("silu", "rms_norm"))]
+    # silu: forward + grad x, for xla and pallas; rms_norm: forward + grad x + grad weight, both
+    assert len(rows) == 2 * 2 + 2 * 3
+    checked = {r[2] + ("" if r[2] == "forward" else " " + r[3]) for r in rows}
+    assert checked == {"forward", "grad x", "grad weight"}
+    assert all(r[-1] == "pass" for r in rows)
+    assert _width(out) <= 120
+
+
+def test_bench_table_fits_120_columns_and_has_no_zero_figures():
+    row = dict(op="dot_product_attention", implementation="pallas", ms=0.000123, ms_autodiff=12345.6,
+               speedup=0.0000099, gb_s=0.00042, of_copy=0.004, tflop_s=0.0000251, residual_bytes=100,
+               residual_bytes_autodiff=3 * 2**30 + 5, temp_bytes=None, temp_bytes_autodiff=999 * 2**20)
+    report = dict(size="small", device="cpu", backend="cpu", jax=jax.__version__, date="2026-12-01",
+                  copy_gb_s=10.0, rows=[row, dict(row, op="rms_norm", tflop_s=None)])
+    text = bench.format_table(report)
+    assert _width(text) <= 120
+    cells = text.splitlines()[3].split()
+    assert cells[2:8] == ["0.00012", "12346", "9.9e-06x", "0.00042", "0.400%", "2.5e-05"], cells
+    assert "3.00 GiB" in text and "999 MiB" in text and "100 B" in text
+
+
+def _parser_of(main, argv):
+    """The ArgumentParser that ``main(argv)`` builds, caught at its ``parse_args`` call."""
+    seen = []
+
+    class Parsed(Exception):
+        pass
+
+    def capture(self, *args, **kwargs):
+        seen.append(self)
+        raise Parsed
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(Parsed):
+        main(argv)
+    return seen[0]
+
+
+def _options_without_help(parser, where):
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                if not choice.help:
+                    missing.append(f"{where} {choice.dest}")
+            for name, sub in action.choices.items():
+                missing += _options_without_help(sub, f"{where} {name}")
+        elif not action.help or action.help == argparse.SUPPRESS:
+            missing.append(f"{where} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+def _example_main(name, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("program", ["python -m jaxbwd", "train_lm", "train_superres"])
+def test_every_option_has_help_text(program, monkeypatch):
+    main = cli.main if program == "python -m jaxbwd" else _example_main(program, monkeypatch)
+    parser = _parser_of(main, [])
+    assert _options_without_help(parser, program) == []
