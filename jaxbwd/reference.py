@@ -29,9 +29,10 @@ def layer_norm(x, weight, bias, *, eps=1e-5):
     return ((xf - mean) * jax.lax.rsqrt(var + eps) * _f32(weight) + _f32(bias)).astype(x.dtype)
 
 
-def softmax(x, *, axis=-1):
-    """Reference softmax; a row that is entirely -inf gives zeros (not NaN)."""
-    xf = _f32(x)
+def softmax(x, *, axis=-1, where=None):
+    """Reference softmax over ``axis`` (int, tuple or None) as jax.nn.softmax; entries outside
+    ``where`` and slices that are entirely -inf give zeros (not NaN)."""
+    xf = _f32(x) if where is None else jnp.where(where, _f32(x), -jnp.inf)
     m = jnp.max(xf, axis=axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(xf - jax.lax.stop_gradient(m))
@@ -61,7 +62,13 @@ def swiglu(gate, up, *, limit=None):
     return (g * jax.nn.sigmoid(g) * u).astype(gate.dtype)
 
 
-def glu(x, *, activation="silu", limit=None):
+def glu(x, axis=-1):
+    """Reference ``jax.nn.glu``: x1 * sigmoid(x2) for the halves of ``axis`` (Dauphin et al. 2017)."""
+    x1, x2 = jnp.split(_f32(x), 2, axis=axis)
+    return (x1 * jax.nn.sigmoid(x2)).astype(x.dtype)
+
+
+def gated_linear_unit(x, *, activation="silu", limit=None):
     """Reference gated linear unit over the halves of the last axis: act(x[..., :d]) * x[..., d:]."""
     d = x.shape[-1] // 2
     g, u = _clamp(_f32(x[..., :d]), _f32(x[..., d:]), limit)

@@ -183,10 +183,13 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="softmax", family="activations", fn=activations.softmax, reference=ref.softmax,
-        diff_argnums=(0,), static_params=("axis",), kernels=("softmax_bwd",),
+        diff_argnums=(0,), static_params=("axis", "where"), kernels=("softmax_bwd",),
         backward="Pallas: dx = y * (dy - sum(dy * y)) per row block; saves only y",
         examples=_unary_examples() + (
             Example("axis0-5x7x9", lambda k, dt: ((_normal(k, (5, 7, 9), dt),), {"axis": 0})),
+            Example("axes(0,2)-5x7x9", lambda k, dt: ((_normal(k, (5, 7, 9), dt),), {"axis": (0, 2)})),
+            Example("where-7x9", lambda k, dt: ((_normal(k, (7, 9), dt),),
+                                                {"where": jnp.arange(9) % 3 != 1})),
         ),
         lowering=_unary_lowering(),
         bad_inputs=(
@@ -233,7 +236,8 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda g, u, **_: _nbytes(g, u),
     ),
     OpSpec(
-        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        name="gated_linear_unit", family="activations", fn=activations.gated_linear_unit,
+        reference=ref.gated_linear_unit,
         diff_argnums=(0,), static_params=("activation", "limit"), kernels=("glu_bwd",),
         backward="Pallas: one kernel reads both halves of x and dy, writes both halves of dx",
         examples=(
@@ -248,6 +252,20 @@ _SPECS: list[OpSpec] = [
         bad_inputs=(
             BadInput("odd last dim", lambda: ((jnp.ones((4, 7)),), {}), ValueError, r"even"),
             BadInput("activation", lambda: ((jnp.ones((4, 8)),), {"activation": "relu"}), ValueError, r"activation"),
+        ),
+        residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        diff_argnums=(0,), static_params=("axis",), kernels=(),
+        backward="XLA by design: elementwise dx1 = dy*s, dx2 = dy*x1*s*(1-s), fused by XLA",
+        examples=(
+            Example("5x246", lambda k, dt: ((_normal(k, (5, 246), dt),), {})),
+            Example("6x3x5-axis0", lambda k, dt: ((_normal(k, (6, 3, 5), dt),), {"axis": 0})),
+        ),
+        bad_inputs=(
+            BadInput("odd axis", lambda: ((jnp.ones((4, 7)),), {}), ValueError, r"even"),
+            BadInput("axis", lambda: ((jnp.ones((4, 8)),), {"axis": 2}), ValueError, r"axis"),
         ),
         residual_budget=lambda x, **_: _nbytes(x),
     ),
