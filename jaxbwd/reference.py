@@ -199,18 +199,36 @@ def rope_inv_freq(head_dim, theta, dtype=jnp.float32):
     return jnp.exp(i * (-2.0 * math.log(theta) / head_dim))
 
 
-def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False):
+def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1's rescaled rotary frequencies, in its three cases (Meta, Llama 3.1, 2024)."""
+    import math
+
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > low_wavelen, inv_freq / factor, jnp.where(wavelen < high_wavelen, inv_freq, medium))
+
+
+def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, scale_factor=1.0,
+         frequency_scaling=None):
     """Reference rotary position embedding (RoFormer, Su et al. 2021) of x [B, T, N, H].
 
     Half-split (Llama/NeoX) rotates x[..., :H/2] with x[..., H/2:]; interleaved (GPT-J)
-    rotates pairs (2i, 2i+1). Angle of pair i at position p: ``p * theta**(-2i/H)``, in f32.
+    rotates pairs (2i, 2i+1). Angle of pair i at position p: ``(p / scale_factor) * f_i`` with
+    ``f_i = theta**(-2i/H)``, rescaled by :func:`llama3_inv_freq` when ``frequency_scaling``
+    (a dict of its arguments) is given; in f32.
     """
     Bsz, T, N, H = x.shape
     if positions is None:
         positions = start_pos + jnp.arange(T)
-    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32)
+    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32) / scale_factor
     xf = _f32(x)
-    ang = pos[:, :, None, None].astype(xf.dtype) * rope_inv_freq(H, theta, xf.dtype)
+    inv_freq = rope_inv_freq(H, theta, xf.dtype)
+    if frequency_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in frequency_scaling.items() if k != "rope_type"})
+    ang = pos[:, :, None, None].astype(xf.dtype) * inv_freq
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]

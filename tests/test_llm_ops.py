@@ -1,6 +1,7 @@
 """Op-specific tests of embed, rope and cross_entropy (the registry contract covers the rest)."""
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,3 +312,37 @@ def test_cross_entropy_lowers_for_cuda_at_llama3_vocab():
 
     names = _lowered_kernels(bwd, jax.ShapeDtypeStruct((8192, 128256), jnp.bfloat16), jax.ShapeDtypeStruct((8192,), jnp.int32))
     assert "cross_entropy_fwd" in names and "cross_entropy_bwd" in names
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rope_scale_factor_is_fractional_positions(impl):
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 8))
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    pos = jnp.array([0, 3, 8, 9, 40])
+    a = _vjp(lambda v: rope(v, positions=pos, scale_factor=8.0, implementation=impl), x, ct)
+    b = _vjp(lambda v: rope(v, positions=pos / 8.0, implementation=impl), x, ct)
+    chex.assert_trees_all_close(a, b, atol=1e-6, rtol=1e-6)
+    # Integer-valued float positions are the integer positions.
+    chex.assert_trees_all_close(_vjp(lambda v: rope(v, positions=pos.astype(jnp.float32), implementation=impl), x, ct),
+                                _vjp(lambda v: rope(v, positions=pos, implementation=impl), x, ct), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rope_llama3_scaling(impl):
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 2, 64))
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    pos = jnp.array([0, 1, 5, 300, 2000, 9000])
+    cfg = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    f = lambda c: lambda v: rope(v, positions=pos, theta=500000.0, frequency_scaling=c, implementation=impl)
+    out, g = _vjp(f(cfg), x, ct)
+    chex.assert_trees_all_close((out, g), _vjp(lambda v: ref.rope(v, positions=pos, theta=500000.0,
+                                                                  frequency_scaling=cfg), x, ct), atol=2e-5, rtol=2e-5)
+    # factor 1 leaves every frequency as it is (up to f32 rounding of the blend, seen at
+    # position 9000); factor 8 changes the low frequencies only.
+    plain = _vjp(f(None), x, ct)
+    chex.assert_trees_all_close(_vjp(f({**cfg, "factor": 1.0}), x, ct), plain, atol=1e-4, rtol=1e-4)
+    inv = ref.rope_inv_freq(64, 500000.0)
+    scaled = ref.llama3_inv_freq(inv, **cfg)
+    np.testing.assert_allclose(scaled[:4], inv[:4])  # wavelength < 256 / 4: kept
+    np.testing.assert_allclose(scaled[-4:], inv[-4:] / 8.0, rtol=1e-6)  # wavelength > 256: divided
+    assert not np.allclose(out, plain[0])
