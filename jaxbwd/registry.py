@@ -357,7 +357,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
-        diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction"),
+        diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
         backward="Pallas: forward lse+loss over vocab tiles (online logsumexp); backward recomputes softmax from lse",
         examples=(

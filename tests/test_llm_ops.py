@@ -346,3 +346,85 @@ def test_rope_llama3_scaling(impl):
     np.testing.assert_allclose(scaled[:4], inv[:4])  # wavelength < 256 / 4: kept
     np.testing.assert_allclose(scaled[-4:], inv[-4:] / 8.0, rtol=1e-6)  # wavelength > 256: divided
     assert not np.allclose(out, plain[0])
+
+
+# optax.softmax_cross_entropy_with_integer_labels's own cases, with jaxbwd.cross_entropy
+# (reduction="none") in its place: scalar and batched rows, gradients, row and per-class
+# masks, one class axis anywhere, several class axes in any order.
+_OPTAX_LOGITS = np.array([[10.0, 1.0, -2.0], [1.0, 4.0, 0.2]], np.float32)
+_OPTAX_LABELS = np.array([1, 0], np.int32)
+
+
+def _ce(impl, **kw):
+    import jaxbwd
+
+    return lambda x, y: jaxbwd.cross_entropy(x, y, reduction="none", implementation=impl, **kw)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_scalar_and_batched(impl):
+    for x, y in ((_OPTAX_LOGITS[0], _OPTAX_LABELS[0]), (_OPTAX_LOGITS, _OPTAX_LABELS)):
+        want = optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 3))
+        np.testing.assert_allclose(jax.jit(_ce(impl))(jnp.asarray(x), jnp.asarray(y)), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_gradients(impl):
+    x, y = jnp.asarray(_OPTAX_LOGITS), jnp.asarray(_OPTAX_LABELS)
+    if impl == "xla":  # reverse mode: custom_vjp ops have no forward-mode rule
+        jax.test_util.check_grads(lambda x: _ce(impl)(x, y), (x,), order=1, modes=["rev"])
+    g = jax.grad(lambda x: jnp.sum(_ce(impl)(x, y)))(x)
+    gw = jax.grad(lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)))(x)
+    np.testing.assert_allclose(g, gw, rtol=1e-6, atol=1e-6)
+    # A row mask: masked rows give 0 and finite (zero) gradients, as optax.
+    row_mask = jnp.array([True, False])
+    f = lambda x: jnp.sum(_ce(impl, where=row_mask)(x, y))
+    fw = lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y, where=row_mask))
+    np.testing.assert_allclose(f(x), fw(x), rtol=1e-6)
+    gs = jax.grad(f)(x)
+    assert bool(jnp.all(jnp.isfinite(gs)))
+    np.testing.assert_allclose(gs, jax.grad(fw)(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_per_class_mask(impl):
+    x, y = jnp.asarray(_OPTAX_LOGITS), jnp.array([0, 0])
+    where = jnp.array([[1, 0, 1], [0, 0, 0]], bool)
+    out = _ce(impl, where=where)(x, y)
+    want = optax.softmax_cross_entropy_with_integer_labels(x, y, where=where)
+    np.testing.assert_allclose(out, want, rtol=1e-6)  # row 1 has no class left: 0
+    assert float(out[1]) == 0.0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_optax_ce_axis(axis, impl):
+    shape = (4, 5, 6)
+    x = jax.random.normal(jax.random.PRNGKey(axis), shape)
+    y = jax.random.randint(jax.random.PRNGKey(9), shape[:axis] + shape[axis + 1:], 0, shape[axis])
+    np.testing.assert_allclose(_ce(impl, axis=axis)(x, y),
+                               optax.softmax_cross_entropy_with_integer_labels(x, y, axis=axis), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("axis", [(1, 3), (3, 2), (2, 3), (-3, -1), (-1, -2), (-2, -1), (0, 1, 3), (-4, -3, -1)])
+def test_optax_ce_axes(axis, impl):
+    shape = (2, 3, 4, 5)
+    x = jax.random.uniform(jax.random.PRNGKey(42), shape)
+    keep = tuple(i for i in range(4) if i not in {a % 4 for a in axis})
+    n = int(np.prod([shape[a] for a in axis]))
+    y = jax.random.randint(jax.random.PRNGKey(43), tuple(shape[i] for i in keep), 0, n)
+    f = _ce(impl, axis=axis)
+    fw = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y, axis)
+    np.testing.assert_allclose(f(x, y), fw(x, y), rtol=1e-5, atol=1e-6)
+    ct = jax.random.normal(jax.random.PRNGKey(44), y.shape)
+    np.testing.assert_allclose(jax.vjp(lambda x: f(x, y), x)[1](ct)[0], jax.vjp(lambda x: fw(x, y), x)[1](ct)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_ce_where_needs_no_smoothing():
+    import jaxbwd
+
+    with pytest.raises(ValueError, match="cross_entropy: where needs label_smoothing == 0"):
+        jaxbwd.cross_entropy(jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32), where=jnp.ones((2, 3), bool),
+                             label_smoothing=0.1)
