@@ -15,6 +15,7 @@ import flax.linen as fnn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -393,3 +394,124 @@ def test_nnx_embed_and_attend_match_flax(impl):
     q = _rand((2, 3), dtype=jnp.bfloat16)
     _nnx_case("Embed", (10, 3), {}, q, True, impl, call=lambda m, x: m.attend(x))
     assert ours.attend(q).dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- a model swapped whole
+def _lm1b_style(nn, dtype):
+    """A small decoder laid out as flax's lm1b example (post-embedding positions, pre-norm
+    blocks of causal self-attention and a ReLU MLP, a final norm, tied logits), written
+    against a module namespace ``nn`` so flax's modules and jaxbwd's can be swapped in."""
+
+    class MlpBlock(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            y = nn.Dense(32, dtype=dtype, kernel_init=fnn.initializers.xavier_uniform(),
+                         bias_init=fnn.initializers.normal(stddev=1e-6))(x)
+            y = fnn.relu(y)
+            return nn.Dense(x.shape[-1], dtype=dtype, kernel_init=fnn.initializers.xavier_uniform(),
+                            bias_init=fnn.initializers.normal(stddev=1e-6))(y)
+
+    class Block(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, mask):
+            y = nn.LayerNorm(dtype=dtype)(x)
+            y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=dtype, qkv_features=16, use_bias=False,
+                                                broadcast_dropout=False, dropout_rate=0.0, deterministic=True,
+                                                kernel_init=fnn.initializers.xavier_uniform())(y, mask=mask)
+            x = x + y
+            return x + MlpBlock()(nn.LayerNorm(dtype=dtype)(x))
+
+    class Decoder(fnn.Module):
+        @fnn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(num_embeddings=40, features=16, embedding_init=fnn.initializers.normal(stddev=1.0))
+            x = embed(tokens).astype(dtype)
+            pos = self.param("pos_embedding", fnn.initializers.normal(stddev=0.02), (1, tokens.shape[1], 16))
+            x = x + pos
+            mask = fnn.combine_masks(fnn.make_attention_mask(tokens > 0, tokens > 0, dtype=dtype),
+                                     fnn.make_causal_mask(tokens, dtype=dtype))
+            for i in range(2):
+                x = Block(name=f"encoderdecoderblock_{i}")(x, mask)
+            x = nn.LayerNorm(dtype=dtype, name="encoderdecoder_norm")(x)
+            return embed.attend(x.astype(dtype)) / jnp.sqrt(x.shape[-1])
+
+    return Decoder()
+
+
+class _Jaxbwd:
+    def __init__(self, impl):
+        self.impl = impl
+
+    def __getattr__(self, name):
+        return lambda *a, **k: getattr(jnn, name)(*a, **k, implementation=self.impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lm1b_style_model_swapped_gives_flax_loss_and_grads(dtype, impl):
+    tokens = jnp.array([[5, 9, 3, 17, 2, 0, 0, 0], [1, 4, 4, 8, 39, 12, 6, 7]])
+    theirs, ours = _lm1b_style(fnn, dtype), _lm1b_style(_Jaxbwd(impl), dtype)
+    params = theirs.init(jax.random.PRNGKey(0), tokens[:, :-1])
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(0), tokens[:, :-1]), params)
+
+    def loss(model):
+        def f(p):
+            logits = model.apply(p, tokens[:, :-1])
+            weights = (tokens[:, 1:] > 0).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+            return jnp.sum(ce * weights) / jnp.sum(weights)
+        return f
+
+    (l1, g1), (l2, g2) = jax.value_and_grad(loss(ours))(params), jax.value_and_grad(loss(theirs))(params)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=5e-2, rtol=5e-2)
+    chex.assert_trees_all_close(l1, l2, **tol)
+    chex.assert_trees_all_close(g1, g2, **tol)
+    assert _uses_jaxbwd(lambda p: ours.apply(p, tokens[:, :-1]), params)
+
+
+# ------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ["self", "features", "enc_dec", "causal", "bf16", "dropout", "sow"])
+def test_linen_mhdpa_matches_flax(case, impl):
+    x = _rand((2, 6, 16))
+    kw, call, kernel = {"num_heads": 4}, {}, True
+    args = (x,)
+    if case == "features":
+        kw.update(qkv_features=8, out_features=5, use_bias=False)
+    elif case == "enc_dec":
+        args = (x, _rand((2, 9, 16), seed=1))
+    elif case == "causal":  # a dense mask: the op's documented XLA path (no custom_vjp)
+        call = {"mask": fnn.make_causal_mask(jnp.ones((2, 6)))}
+        kernel = False
+    elif case == "bf16":
+        kw.update(dtype=jnp.bfloat16)
+    elif case == "dropout":  # active dropout: flax's own function (same rng, same result)
+        kw.update(dropout_rate=0.5, deterministic=False)
+        kernel = False
+    elif case == "sow":  # sown attention weights need flax's function
+        call = {"sow_weights": True}
+        kernel = False
+    ours = jnn.MultiHeadDotProductAttention(**kw, implementation=impl)
+    theirs = fnn.MultiHeadDotProductAttention(**kw)
+    rngs = {"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}
+    params = theirs.init(rngs, *args, **call)
+    chex.assert_trees_all_equal(ours.init(rngs, *args, **call)["params"], params["params"])
+    p = {"params": params["params"]}
+    f = lambda mod: lambda p, *a: mod.apply(p, *a, **call, rngs={"dropout": jax.random.PRNGKey(3)},
+                                            mutable=["intermediates"])[0]
+    y, want = f(ours)(p, *args), f(theirs)(p, *args)
+    assert y.dtype == want.dtype
+    # bf16: flax's softmax runs in bf16 without force_fp32_for_softmax, jaxbwd's in f32.
+    tol = dict(atol=5e-2, rtol=5e-2) if case == "bf16" else _tol(want)
+    chex.assert_trees_all_close(y, want, **tol)
+    loss = lambda mod: lambda p, *a: jnp.sum(jnp.sin(f(mod)(p, *a).astype(jnp.float32)))
+    chex.assert_trees_all_close(jax.grad(loss(ours), argnums=(0, 1))(p, *args),
+                                jax.grad(loss(theirs), argnums=(0, 1))(p, *args), **tol)
+    assert _uses_jaxbwd(f(ours), p, *args) == kernel
+
+
+def test_linen_attention_fn_signature_is_flax():
+    import inspect
+
+    assert list(inspect.signature(jnn.dot_product_attention).parameters) == \
+        list(inspect.signature(fnn.dot_product_attention).parameters)

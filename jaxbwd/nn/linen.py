@@ -9,7 +9,8 @@ other runs flax's own ``__call__``, so the result is flax's: no argument is igno
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Optional
 
 import flax.linen as fnn
 import jax
@@ -140,6 +141,54 @@ class Dense(fnn.Dense):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return K.dense(inputs, kernel, bias, self.implementation)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                          force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                          attn_weights_value_einsum=None):
+    """``flax.linen.dot_product_attention`` (same signature) on :func:`jaxbwd.dot_product_attention`.
+
+    query [batch, q_len, heads, depth] (or unbatched [q_len, heads, depth]), key/value
+    [batch, kv_len, heads, depth]; promoted to ``dtype`` as flax. Runs jaxbwd's op when no
+    dropout is active (``dropout_rate == 0`` or ``deterministic``), ``precision``,
+    ``einsum_dot_general`` and the einsum overrides are None, ``module`` is None (no
+    sown weights) and there is at most one batch dim: with no ``bias``/``mask`` on the flash
+    kernels, with a dense ``bias``/``mask`` (flax's usual causal/padding masks) on the
+    op's dense XLA path. Masked logits and fully masked rows follow flax (a uniform softmax
+    over the row). The softmax is always float32 (flax's ``force_fp32_for_softmax=True``
+    behaviour; both settings take this path). Anything else runs flax's own function.
+    Source: Vaswani et al. (2017).
+    """
+    query, key, value = fnn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+    covered = ((dropout_rate == 0.0 or deterministic) and precision is None and einsum_dot_general is None
+               and qk_attn_weights_einsum is None and attn_weights_value_einsum is None and module is None
+               and query.ndim in (3, 4) and key.ndim == query.ndim and value.ndim == query.ndim)
+    if not covered:
+        return fnn.dot_product_attention(
+            query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+            precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
+            attn_weights_value_einsum)
+    # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
+    return jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
+
+
+class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
+    """``flax.linen.MultiHeadDotProductAttention`` (all its arguments and parameters) whose
+    default ``attention_fn`` is :func:`dot_product_attention` above (jaxbwd's op where it
+    covers the call, flax's function otherwise); projections are flax's ``DenseGeneral``.
+    ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
+    Source: Vaswani et al. (2017).
+    """
+
+    attention_fn: Callable[..., Any] = dot_product_attention
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, *args, **kwargs):
+        ctx = jaxbwd.config.use(implementation=self.implementation) if self.implementation else contextlib.nullcontext()
+        with ctx:
+            return super().__call__(*args, **kwargs)
 
 
 class SwiGLUMLP(fnn.Module):
