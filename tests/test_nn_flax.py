@@ -515,3 +515,25 @@ def test_linen_attention_fn_signature_is_flax():
 
     assert list(inspect.signature(jnn.dot_product_attention).parameters) == \
         list(inspect.signature(fnn.dot_product_attention).parameters)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}, {"qkv_features": 8, "out_features": 5, "normalize_qk": True}],
+                         ids=["mha", "gqa", "features-normalize_qk"])
+@pytest.mark.parametrize("call", ["plain", "is_causal", "mask"])
+def test_nnx_multi_head_attention_matches_flax(kw, call, impl):
+    x = _rand((2, 6, 16))
+    extra = {"plain": {}, "is_causal": {"is_causal": True},
+             "mask": {"mask": nnx.make_causal_mask(jnp.ones((2, 6)))}}[call]
+    args = dict(num_heads=4, in_features=16, decode=False, **kw)
+    ours = jnnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = nnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param))
+    chex.assert_trees_all_close(ours(x, **extra), theirs(x, **extra), atol=1e-5, rtol=1e-5)
+    loss = lambda m: jnp.sum(jnp.sin(m(x, **extra)))
+    # normalize_qk's LayerNorms amplify f32 rounding differences of the attention grads.
+    chex.assert_trees_all_close(nnx.state(nnx.grad(loss)(ours), nnx.Param),
+                                nnx.state(nnx.grad(loss)(theirs), nnx.Param), atol=1e-4, rtol=1e-3)
+    graphdef, state = nnx.split(ours)
+    # Without a dense mask the flash op (a custom_vjp) runs; a dense mask takes its XLA path.
+    assert _uses_jaxbwd(lambda s, x: nnx.merge(graphdef, s)(x, **extra), state, x) == (call != "mask")

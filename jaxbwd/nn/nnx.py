@@ -10,6 +10,7 @@ and flax's own ``__call__`` otherwise: no argument is ignored.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax
@@ -180,6 +181,47 @@ class Conv(nnx.Conv, _Impl):
         return K.conv(inputs, kernel, bias, kernel_size=ks, strides=self.strides, padding=self.padding,
                       kernel_dilation=self.kernel_dilation, feature_group_count=self.feature_group_count,
                       impl=self.implementation)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                          promote_dtype=nnx.nn.dtypes.promote_dtype, is_causal=False):
+    """``flax.nnx.dot_product_attention`` (same signature) on :func:`jaxbwd.dot_product_attention`.
+
+    Where flax's own function calls ``jax.nn.dot_product_attention`` (no dropout, nothing
+    sown), this runs jaxbwd's op with jax.nn's meaning: ``is_causal``, GQA (fewer kv
+    heads) and unbatched inputs on the flash kernels, a dense ``bias``/``mask`` on the op's
+    documented XLA path, several batch dims flattened as flax does. ``precision`` is
+    ignored there by flax too. Otherwise (dropout, ``module``) flax's function runs.
+    Source: Vaswani et al. (2017).
+    """
+    if dropout_rate != 0.0 or module is not None or query.ndim < 3:
+        return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+                                         deterministic, dtype, precision, module, promote_dtype, is_causal)
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    shape = query.shape
+    if query.ndim > 4:
+        flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
+        query, key, value, bias, mask = flat(query), flat(key), flat(value), flat(bias), flat(mask)
+    mask = None if mask is None else mask.astype(jnp.bool_)
+    return jaxbwd.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal).reshape(shape)
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
+    """``flax.nnx.MultiHeadAttention`` (same constructor) whose default ``attention_fn`` is
+    :func:`dot_product_attention` above; projections, norms, decode cache and state are
+    flax's. ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
+    Source: Vaswani et al. (2017).
+    """
+
+    def __init__(self, *args, attention_fn=dot_product_attention, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, attention_fn=attention_fn, **kwargs)
+        self._set_impl(implementation)
+
+    def __call__(self, *args, **kwargs):
+        impl = self.implementation
+        with jaxbwd.config.use(implementation=impl) if impl else contextlib.nullcontext():
+            return super().__call__(*args, **kwargs)
 
 
 class SwiGLUMLP(nnx.Module, _Impl):
