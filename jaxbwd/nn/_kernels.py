@@ -119,8 +119,8 @@ def conv_covered(kernel_size: Sequence[int], padding, input_dilation) -> bool:
         pad = canonicalize_padding(padding, n)
     except ValueError:
         return False  # flax's own call raises its message
-    if isinstance(pad, str):
-        return pad.upper() in ("SAME", "VALID", "CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
+    if isinstance(pad, str):  # flax matches CIRCULAR/REFLECT/CAUSAL case-sensitively, lax SAME/VALID not
+        return pad.upper() in ("SAME", "VALID") or pad in ("CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
     return all(isinstance(v, int) and v >= 0 for p in pad for v in p)  # conv2d pads with zeros only
 
 
@@ -138,17 +138,16 @@ def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, fea
     strides, dil = _tuple(strides, n), _tuple(kernel_dilation, n)
     pad = canonicalize_padding(padding, n)
     if isinstance(pad, str):
-        up = pad.upper() if pad != "CAUSAL" else pad
         eff = [(k - 1) * d + 1 for k, d in zip(kernel_size, dil)]
-        if up in ("CIRCULAR", "REFLECT"):
+        if pad in ("CIRCULAR", "REFLECT"):
             widths = [(0, 0)] + [((e - 1) // 2, e // 2) for e in eff] + [(0, 0)]
-            x = jnp.pad(x, widths, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[up])
+            x = jnp.pad(x, widths, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[pad])
             pad = [(0, 0)] * n
-        elif up == "CAUSAL":
+        elif pad == "CAUSAL":
             x = jnp.pad(x, [(0, 0), (eff[0] - 1, 0), (0, 0)])
             pad = [(0, 0)]
         else:
-            pad = jax.lax.padtype_to_pads(x.shape[1:-1], eff, strides, up)
+            pad = jax.lax.padtype_to_pads(x.shape[1:-1], eff, strides, pad.upper())
     pad = [tuple(int(v) for v in p) for p in pad]
     if n == 1:
         x, kernel = x[:, None], kernel[None]
