@@ -23,6 +23,13 @@ from jaxbwd.nn import _kernels as K
 Initializer = Any
 
 
+def _plain_stats(mod, mask) -> bool:
+    """A norm's statistics as the kernels compute them: unmasked, on one device, in float32
+    (flax versions without ``force_float32_reductions`` always reduce in float32)."""
+    return (mask is None and mod.axis_name is None and getattr(mod, "force_float32_reductions", True)
+            and mod.epsilon > 0)
+
+
 def _check_activation(cls: str, activation) -> None:
     if activation not in (None, "silu"):
         raise ValueError(f"jaxbwd.nn.{cls}: activation must be None or 'silu', got {activation!r}")
@@ -47,8 +54,7 @@ class RMSNorm(fnn.RMSNorm):
     implementation: Optional[str] = None
 
     def _covered(self, x, mask) -> bool:
-        return (mask is None and self.axis_name is None and self.force_float32_reductions and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes))
+        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
@@ -79,8 +85,7 @@ class LayerNorm(fnn.LayerNorm):
     implementation: Optional[str] = None
 
     def _covered(self, x, mask) -> bool:
-        return (mask is None and self.axis_name is None and self.force_float32_reductions and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes))
+        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
@@ -266,8 +271,7 @@ class GroupNorm(fnn.GroupNorm):
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         _check_activation("GroupNorm", self.activation)
         g = self._groups(x.shape[-1]) if x.ndim else None
-        if not (mask is None and self.axis_name is None and self.force_float32_reductions and self.epsilon > 0
-                and K.group_norm_covered(x, self.reduction_axes, g)):
+        if not (_plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         c = x.shape[-1]
