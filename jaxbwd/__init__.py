@@ -6,7 +6,7 @@ formula in XLA elsewhere. Choose per call with ``implementation=None|"pallas"|"x
 or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
-from jaxbwd.vjp.activations import gelu, glu, silu, softmax, swiglu
+from jaxbwd.vjp.activations import gated_linear_unit, gelu, glu, silu, softmax, swiglu
 from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.group_norm import group_norm
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "config",
     "rms_norm", "layer_norm", "group_norm",
-    "softmax", "silu", "gelu", "swiglu", "glu",
+    "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
     "dot_product_attention", "embed", "rope", "cross_entropy",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",

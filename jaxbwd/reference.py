@@ -29,9 +29,10 @@ def layer_norm(x, weight, bias, *, eps=1e-5):
     return ((xf - mean) * jax.lax.rsqrt(var + eps) * _f32(weight) + _f32(bias)).astype(x.dtype)
 
 
-def softmax(x, *, axis=-1):
-    """Reference softmax; a row that is entirely -inf gives zeros (not NaN)."""
-    xf = _f32(x)
+def softmax(x, *, axis=-1, where=None):
+    """Reference softmax over ``axis`` (int, tuple or None) as jax.nn.softmax; entries outside
+    ``where`` and slices that are entirely -inf give zeros (not NaN)."""
+    xf = _f32(x) if where is None else jnp.where(where, _f32(x), -jnp.inf)
     m = jnp.max(xf, axis=axis, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(xf - jax.lax.stop_gradient(m))
@@ -61,7 +62,13 @@ def swiglu(gate, up, *, limit=None):
     return (g * jax.nn.sigmoid(g) * u).astype(gate.dtype)
 
 
-def glu(x, *, activation="silu", limit=None):
+def glu(x, axis=-1):
+    """Reference ``jax.nn.glu``: x1 * sigmoid(x2) for the halves of ``axis`` (Dauphin et al. 2017)."""
+    x1, x2 = jnp.split(_f32(x), 2, axis=axis)
+    return (x1 * jax.nn.sigmoid(x2)).astype(x.dtype)
+
+
+def gated_linear_unit(x, *, activation="silu", limit=None):
     """Reference gated linear unit over the halves of the last axis: act(x[..., :d]) * x[..., d:]."""
     d = x.shape[-1] // 2
     g, u = _clamp(_f32(x[..., :d]), _f32(x[..., d:]), limit)
@@ -192,18 +199,36 @@ def rope_inv_freq(head_dim, theta, dtype=jnp.float32):
     return jnp.exp(i * (-2.0 * math.log(theta) / head_dim))
 
 
-def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False):
+def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1's rescaled rotary frequencies, in its three cases (Meta, Llama 3.1, 2024)."""
+    import math
+
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > low_wavelen, inv_freq / factor, jnp.where(wavelen < high_wavelen, inv_freq, medium))
+
+
+def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, scale_factor=1.0,
+         frequency_scaling=None):
     """Reference rotary position embedding (RoFormer, Su et al. 2021) of x [B, T, N, H].
 
     Half-split (Llama/NeoX) rotates x[..., :H/2] with x[..., H/2:]; interleaved (GPT-J)
-    rotates pairs (2i, 2i+1). Angle of pair i at position p: ``p * theta**(-2i/H)``, in f32.
+    rotates pairs (2i, 2i+1). Angle of pair i at position p: ``(p / scale_factor) * f_i`` with
+    ``f_i = theta**(-2i/H)``, rescaled by :func:`llama3_inv_freq` when ``frequency_scaling``
+    (a dict of its arguments) is given; in f32.
     """
     Bsz, T, N, H = x.shape
     if positions is None:
         positions = start_pos + jnp.arange(T)
-    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32)
+    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32) / scale_factor
     xf = _f32(x)
-    ang = pos[:, :, None, None].astype(xf.dtype) * rope_inv_freq(H, theta, xf.dtype)
+    inv_freq = rope_inv_freq(H, theta, xf.dtype)
+    if frequency_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in frequency_scaling.items() if k != "rope_type"})
+    ang = pos[:, :, None, None].astype(xf.dtype) * inv_freq
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]

@@ -183,10 +183,13 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="softmax", family="activations", fn=activations.softmax, reference=ref.softmax,
-        diff_argnums=(0,), static_params=("axis",), kernels=("softmax_bwd",),
+        diff_argnums=(0,), static_params=("axis", "where"), kernels=("softmax_bwd",),
         backward="Pallas: dx = y * (dy - sum(dy * y)) per row block; saves only y",
         examples=_unary_examples() + (
             Example("axis0-5x7x9", lambda k, dt: ((_normal(k, (5, 7, 9), dt),), {"axis": 0})),
+            Example("axes(0,2)-5x7x9", lambda k, dt: ((_normal(k, (5, 7, 9), dt),), {"axis": (0, 2)})),
+            Example("where-7x9", lambda k, dt: ((_normal(k, (7, 9), dt),),
+                                                {"where": jnp.arange(9) % 3 != 1})),
         ),
         lowering=_unary_lowering(),
         bad_inputs=(
@@ -233,7 +236,8 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda g, u, **_: _nbytes(g, u),
     ),
     OpSpec(
-        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        name="gated_linear_unit", family="activations", fn=activations.gated_linear_unit,
+        reference=ref.gated_linear_unit,
         diff_argnums=(0,), static_params=("activation", "limit"), kernels=("glu_bwd",),
         backward="Pallas: one kernel reads both halves of x and dy, writes both halves of dx",
         examples=(
@@ -248,6 +252,20 @@ _SPECS: list[OpSpec] = [
         bad_inputs=(
             BadInput("odd last dim", lambda: ((jnp.ones((4, 7)),), {}), ValueError, r"even"),
             BadInput("activation", lambda: ((jnp.ones((4, 8)),), {"activation": "relu"}), ValueError, r"activation"),
+        ),
+        residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        diff_argnums=(0,), static_params=("axis",), kernels=(),
+        backward="XLA by design: elementwise dx1 = dy*s, dx2 = dy*x1*s*(1-s), fused by XLA",
+        examples=(
+            Example("5x246", lambda k, dt: ((_normal(k, (5, 246), dt),), {})),
+            Example("6x3x5-axis0", lambda k, dt: ((_normal(k, (6, 3, 5), dt),), {"axis": 0})),
+        ),
+        bad_inputs=(
+            BadInput("odd axis", lambda: ((jnp.ones((4, 7)),), {}), ValueError, r"even"),
+            BadInput("axis", lambda: ((jnp.ones((4, 8)),), {"axis": 2}), ValueError, r"axis"),
         ),
         residual_budget=lambda x, **_: _nbytes(x),
     ),
@@ -339,7 +357,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
-        diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction"),
+        diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
         backward="Pallas: forward row max/sum + loss over vocab tiles (online softmax); backward recomputes exp(x - max) / sum",
         examples=(
@@ -391,33 +409,46 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="rope", family="rope", fn=rope.rope, reference=ref.rope,
-        diff_argnums=(0,), static_params=("theta", "interleaved"), kernels=("rope_bwd",),
+        diff_argnums=(0,), static_params=("theta", "interleaved", "scale_factor", "frequency_scaling"),
+        kernels=("rope_bwd",),
         backward="Pallas: dy rotated by the negative angle, angles recomputed in f32 in registers",
         examples=(
             Example("2x5x3x8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {})),
             Example("1x6x2x16-interleaved-pos[T]", lambda k, dt: ((_normal(k, (1, 6, 2, 16), dt),), {"positions": jnp.array([3, 4, 5, 9, 10, 11]), "interleaved": True})),
             Example("2x4x4x6-pos[B,T]", lambda k, dt: ((_normal(k, (2, 4, 4, 6), dt),), {"positions": jnp.array([[0, 1, 2, 3], [5, 6, 0, 1]]), "theta": 500000.0})),
+            Example("2x5x3x8-scale8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {"scale_factor": 8.0, "start_pos": 3})),
+            Example("1x4x2x16-float-pos", lambda k, dt: ((_normal(k, (1, 4, 2, 16), dt),), {"positions": jnp.array([0.5, 1.25, 7.0, 100.75])})),
+            Example("2x6x2x32-llama3", lambda k, dt: ((_normal(k, (2, 6, 2, 32), dt),), {
+                "positions": jnp.array([0, 1, 2, 900, 4000, 9000]), "theta": 500000.0, "frequency_scaling": {
+                    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64}})),
         ),
         lowering=(
             Example("2x8192x32x128-bf16", lambda k, d: ((_sds((2, 8192, 32, 128), "bfloat16"),), {})),
             Example("1x4097x8x64-f32-interleaved", lambda k, d: ((_sds((1, 4097, 8, 64), "float32"),), {"interleaved": True})),
             Example("2x1023x40x80-bf16", lambda k, d: ((_sds((2, 1023, 40, 80), "bfloat16"),), {"start_pos": 17})),
+            Example("1x2048x8x128-bf16-llama3-scale4", lambda k, d: ((_sds((1, 2048, 8, 128), "bfloat16"),), {
+                "theta": 500000.0, "scale_factor": 4.0, "frequency_scaling": {
+                    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}})),
         ),
         bad_inputs=(
             BadInput("rank", lambda: ((jnp.ones((2, 3, 8)),), {}), ValueError, r"x must have rank 4 \(\[B, T, N, H\]\), got shape \(2, 3, 8\)"),
             BadInput("odd H", lambda: ((jnp.ones((1, 3, 2, 7)),), {}), ValueError, r"head dimension H must be even, got shape \(1, 3, 2, 7\)"),
             BadInput("positions shape", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((4,), jnp.int32)}), ValueError, r"positions must have shape \(3,\) or \(2, 3\).*got \(4,\)"),
-            BadInput("float positions", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((3,))}), TypeError, r"positions must have an integer dtype.*got float32"),
+            BadInput("bool positions", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((3,), bool)}), TypeError, r"positions must have an integer or floating dtype, got bool"),
+            BadInput("scale_factor", lambda: ((jnp.ones((2, 3, 1, 8)),), {"scale_factor": -2.0}), ValueError, r"scale_factor must be a positive number, got -2.0"),
+            BadInput("frequency_scaling", lambda: ((jnp.ones((2, 3, 1, 8)),), {"frequency_scaling": {"factor": 8.0}}), ValueError, r"frequency_scaling needs exactly the keys"),
             BadInput("theta", lambda: ((jnp.ones((2, 3, 1, 8)),), {"theta": 0.0}), ValueError, r"theta must be a positive number, got 0.0"),
             BadInput("integer x", lambda: ((jnp.ones((2, 3, 1, 8), jnp.int32),), {}), TypeError, r"x must have a floating dtype.*got int32"),
         ),
-        # int32 positions [B, T] only.
+        # int32 (or float32) positions [B, T] only.
         residual_budget=lambda x, **_: 4 * x.shape[0] * x.shape[1],
     ),
     OpSpec(
         name="dot_product_attention", family="attention", fn=attention.dot_product_attention,
         reference=ref.dot_product_attention, diff_argnums=(0, 1, 2),
-        static_params=("scale", "is_causal", "sliding_window", "logit_softcap"),
+        static_params=("scale", "is_causal", "local_window_size", "sliding_window", "logit_softcap"),
         kernels=("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"),
         backward="Pallas FlashAttention-2: flash fwd emits f32 lse; dk/dv kernel (GQA group summed in-kernel) + dq kernel recompute P from lse",
         examples=tuple(

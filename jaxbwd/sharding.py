@@ -58,7 +58,7 @@ Design notes:
   (Megatron-LM's vocab-parallel embedding); its backward scatters into the local shard
   only. Both restore their output's cotangent with ``replicated_cotangent``.
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
-  gathered); glu over a sharded hidden dim (gate and up are the two halves of the last
+  gathered); gated_linear_unit over a sharded hidden dim (gate and up are the two halves of the last
   axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
   op (runs unpartitioned) and second derivatives (custom_partitioning has no AD rule;
   one-device meshes keep the op as is); under explicit axes, vmap over a dimension

@@ -12,7 +12,7 @@ import pytest
 from jaxbwd import config
 from jaxbwd import reference as ref
 from jaxbwd.pallas import _common as C
-from jaxbwd.vjp.activations import gelu, glu, silu, softmax, swiglu
+from jaxbwd.vjp.activations import gated_linear_unit, gelu, silu, softmax, swiglu
 
 IMPLS = ("xla", "pallas")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
@@ -47,7 +47,7 @@ def _assert_grads_match(f, f_ref, args, dtype=jnp.float32):
 
 
 def _glu_ref(activation, limit=None):
-    return lambda x: ref.glu(x, activation=activation, limit=limit)
+    return lambda x: ref.gated_linear_unit(x, activation=activation, limit=limit)
 
 
 # Values far past saturation: exp(-x) overflows at -100 in f32, x**3 is 1e12 at -1e4.
@@ -74,7 +74,7 @@ def test_grads_finite_at_extremes(op, impl):
     else:
         act = op[4:].replace("_limit", "")
         limit = 7.0 if op.endswith("limit") else None
-        f = lambda x: glu(x, activation=act, limit=limit, implementation=impl)
+        f = lambda x: gated_linear_unit(x, activation=act, limit=limit, implementation=impl)
         f_ref, args = _glu_ref(act, limit), (jnp.concatenate([gate, up])[None],)
     y, grads = _vjp(f, args, jnp.ones_like(f_ref(*args)))
     for g in grads:
@@ -97,7 +97,7 @@ def test_limit_zeroes_grads_where_clamped(activation, impl):
             lambda g, u: ref.swiglu(g, u, limit=limit), (gate, up))
     else:
         (dx,) = _assert_grads_match(
-            lambda x: glu(x, activation=activation, limit=limit, implementation=impl),
+            lambda x: gated_linear_unit(x, activation=activation, limit=limit, implementation=impl),
             _glu_ref(activation, limit), (jnp.concatenate([gate, up], axis=-1),))
         dgate, dup = dx[:, :300], dx[:, 300:]
     assert bool(jnp.any(gate > limit)) and bool(jnp.any(jnp.abs(up) > limit))
@@ -110,7 +110,7 @@ def test_limit_zeroes_grads_where_clamped(activation, impl):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_glu_each_activation(activation, dtype, impl):
     x = _normal(2, (5, 2 * 123), dtype)  # odd d: masked column tail in the glu tile
-    _assert_grads_match(lambda x: glu(x, activation=activation, implementation=impl),
+    _assert_grads_match(lambda x: gated_linear_unit(x, activation=activation, implementation=impl),
                         _glu_ref(activation), (x,), dtype)
 
 
@@ -166,8 +166,8 @@ def _bwd_fn(op):
         ("gelu_bwd", gelu, 1, (8192, 4096), (8192, 4096)),
         ("gelu_bwd", lambda x, **k: gelu(x, approximate=False, **k), 1, (8192, 4096), (8192, 4096)),
         ("swiglu_bwd", lambda g, u, **k: swiglu(g, u, limit=7.0, **k), 2, (8192, 4096), (8192, 4096)),
-        ("glu_bwd", glu, 1, (8192, 2 * 5120), (8192, 5120)),
-        ("glu_bwd", lambda x, **k: glu(x, activation="gelu_exact", limit=7.0, **k), 1, (8192, 2 * 4096), (8192, 4096)),
+        ("glu_bwd", gated_linear_unit, 1, (8192, 2 * 5120), (8192, 5120)),
+        ("glu_bwd", lambda x, **k: gated_linear_unit(x, activation="gelu_exact", limit=7.0, **k), 1, (8192, 2 * 4096), (8192, 4096)),
         ("softmax_bwd", softmax, 1, (8192, 4096), (8192, 4096)),
         ("softmax_bwd", softmax, 1, (8, 32000), (8, 32000)),
         ("softmax_bwd", lambda x, **k: softmax(x, axis=1, **k), 1, (4, 4096, 32), (4, 4096, 32)),
@@ -187,10 +187,10 @@ def test_kernel_lowers_for_cuda(name, op, n_in, x_shape, y_shape):
         (lambda: swiglu(jnp.ones((2, 3)), jnp.ones((2, 4))), ValueError, ["swiglu", "up", "(2, 3)", "(2, 4)"]),
         (lambda: swiglu(jnp.ones(3), jnp.ones(3, jnp.bfloat16)), TypeError, ["swiglu", "gate", "up", "bfloat16"]),
         (lambda: swiglu(jnp.ones(3), jnp.ones(3), limit=0.0), ValueError, ["swiglu", "limit", "positive", "0.0"]),
-        (lambda: glu(jnp.ones((2, 5))), ValueError, ["glu", "x", "even", "(2, 5)"]),
-        (lambda: glu(jnp.ones((2, 4)), activation="relu"), ValueError, ["glu", "activation", "silu", "'relu'"]),
-        (lambda: glu(jnp.ones((2, 4)), limit=-1), ValueError, ["glu", "limit", "positive", "-1"]),
-        (lambda: glu(jnp.ones((2, 4)), limit="7"), TypeError, ["glu", "limit", "number", "'7'"]),
+        (lambda: gated_linear_unit(jnp.ones((2, 5))), ValueError, ["gated_linear_unit", "x", "even", "(2, 5)"]),
+        (lambda: gated_linear_unit(jnp.ones((2, 4)), activation="relu"), ValueError, ["gated_linear_unit", "activation", "silu", "'relu'"]),
+        (lambda: gated_linear_unit(jnp.ones((2, 4)), limit=-1), ValueError, ["gated_linear_unit", "limit", "positive", "-1"]),
+        (lambda: gated_linear_unit(jnp.ones((2, 4)), limit="7"), TypeError, ["gated_linear_unit", "limit", "number", "'7'"]),
         (lambda: softmax(jnp.ones((2, 4)), axis=2), ValueError, ["softmax", "axis", "[-2, 2)", "got 2"]),
         (lambda: softmax(jnp.ones((2, 4)), axis=0.5), TypeError, ["softmax", "axis", "int", "0.5"]),
         (lambda: gelu(jnp.ones(3), approximate="tanh"), TypeError, ["gelu", "approximate", "bool", "'tanh'"]),
@@ -198,6 +198,55 @@ def test_kernel_lowers_for_cuda(name, op, n_in, x_shape, y_shape):
     ],
 )
 def test_bad_arguments(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+# jax.nn.glu and jax.nn.softmax's own signatures: the ops give jax.nn's values and grads.
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("shape,axis", [((4, 10), -1), ((6, 3), 0), ((2, 4, 6), 1), ((8,), 0)])
+def test_glu_matches_jax_nn(shape, axis, impl):
+    import jaxbwd
+
+    x = _normal(7, shape, jnp.float32)
+    f = lambda x: jaxbwd.glu(x, axis, implementation=impl)
+    chex.assert_trees_all_close(f(x), jax.nn.glu(x, axis), atol=1e-6, rtol=1e-6)
+    dy = _normal(8, f(x).shape, jnp.float32)
+    chex.assert_trees_all_close(jax.vjp(f, x)[1](dy), jax.vjp(lambda x: jax.nn.glu(x, axis), x)[1](dy),
+                                atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("axis", [-1, 0, (1, 3), (0, 2), (2, 3), None])
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_matches_jax_nn(axis, masked, impl):
+    import jaxbwd
+
+    x = _normal(9, (3, 4, 5, 6), jnp.float32)
+    # A mask broadcast along axis 1, with one slice fully masked out (zeros, as jax.nn).
+    where = None
+    if masked:
+        where = jax.random.bernoulli(jax.random.PRNGKey(10), 0.6, (3, 1, 5, 6)).at[0].set(False)
+    f = lambda x: jaxbwd.softmax(x, axis, where, implementation=impl)
+    g = lambda x: jax.nn.softmax(x, axis, where)
+    chex.assert_trees_all_close(f(x), g(x), atol=1e-6, rtol=1e-6)
+    dy = _normal(11, x.shape, jnp.float32)
+    chex.assert_trees_all_close(jax.vjp(f, x)[1](dy), jax.vjp(g, x)[1](dy), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (lambda: __import__("jaxbwd").glu(jnp.ones((3, 4)), 0), ValueError, ["glu", "even", "axis 0", "(3, 4)"]),
+        (lambda: __import__("jaxbwd").glu(jnp.ones((3, 4)), 2), ValueError, ["glu", "axis", "[-2, 2)", "got 2"]),
+        (lambda: softmax(jnp.ones((2, 4)), (0, 0)), ValueError, ["softmax", "axis", "distinct"]),
+        (lambda: softmax(jnp.ones((2, 4)), -1, jnp.ones((4,))), TypeError, ["softmax", "where", "boolean", "float32"]),
+        (lambda: softmax(jnp.ones((2, 4)), -1, jnp.ones((3,), bool)), ValueError, ["softmax", "where", "(2, 4)", "(3,)"]),
+    ],
+)
+def test_glu_softmax_bad_arguments(call, exc, words):
     with pytest.raises(exc) as info:
         call()
     for w in words:

@@ -265,3 +265,124 @@ def test_f32_dots_follow_default_matmul_precision(precision, want):
     assert set(ir) == set(KERNELS)
     for name, text in ir.items():
         assert set(re.findall(r"inputPrecision = (\w+)", text)) == {want}, name
+
+
+# ------------------------------------------------ jax.nn.dot_product_attention's signature
+# The cases jax checks for its own attention (GQA groups, vmap over unbatched calls, bias,
+# causal, padding by seq lengths, custom masks, their combinations, local windows, bias
+# gradients), here against jax.nn.dot_product_attention itself (its XLA implementation).
+def _vjp_all(f, args, dy):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(dy)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_jax_nn_gqa_and_vmap_over_unbatched(groups, use_vmap, dtype, impl):
+    B, T, S, N, H = 2, 24, 24, 4, 16
+    q, k, v, dy = _inputs(B, T, S, N, N // groups, H, dtype)
+    ours = lambda q, k, v: dot_product_attention(q, k, v, implementation=impl)
+    if use_vmap:  # each call sees unbatched [T, N, H] inputs, as jax.nn accepts
+        ours = jax.vmap(ours)
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    chex.assert_trees_all_close(_vjp_all(ours, (q, k, v), dy), _vjp_all(theirs, (q, k, v), dy), atol=tol, rtol=tol)
+
+
+MASK_MODES = ["bias", "causal", "padding", "custom", ("causal", "padding"), ("custom", "padding"),
+              ("bias", "causal"), ("causal", "window"), "window", "asym_window", ("padding", "window"),
+              "kv_padding_empty"]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("mode", MASK_MODES, ids=["+".join(m) if isinstance(m, tuple) else m for m in MASK_MODES])
+def test_jax_nn_masks(mode, impl):
+    mode = (mode,) if isinstance(mode, str) else mode
+    B, T, S, N, H = 2, 16, 16, 2, 8
+    q, k, v, dy = _inputs(B, T, S, N, N, H, seed=3)
+    ks = jax.random.split(jax.random.PRNGKey(4), 2)
+    bias = jax.random.normal(ks[0], (1, N, T, S)) if "bias" in mode else None
+    mask = jnp.tril(jnp.ones((T, S), bool))[None, None] if "custom" in mode else None
+    kw = {"is_causal": "causal" in mode}
+    if "padding" in mode:
+        kw.update(query_seq_lengths=jnp.array([T // 2, T // 4], jnp.int32),
+                  key_value_seq_lengths=jnp.array([S // 4, S // 2], jnp.int32))
+    if "kv_padding_empty" in mode:  # a batch row with no key at all: jax.nn gives mean(V)
+        kw.update(key_value_seq_lengths=jnp.array([0, 5], jnp.int32))
+    if "window" in mode:
+        kw["local_window_size"] = (3, 2) if kw["is_causal"] else (3, 3)
+    if "asym_window" in mode:  # non-causal with 0 < right != left: the dense XLA path
+        kw["local_window_size"] = (1, 4)
+    ours = lambda q, k, v, b: dot_product_attention(q, k, v, b, mask, **kw, implementation=impl)
+    theirs = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, mask, **kw)
+    args = (q, k, v, bias)
+    chex.assert_trees_all_close(_vjp_all(ours, args, dy), _vjp_all(theirs, args, dy), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_jax_nn_kernel_path_for_lengths_and_windows(impl):
+    # Seq lengths and causal/symmetric local windows stay on the flash path: what the
+    # forward saves is O(B*N*T) beyond the inputs, no [T, S] array (a dense bias saves one).
+    B, T, N, H = 1, 64, 2, 8
+    q, k, v, _ = _inputs(B, T, T, N, N, H)
+    kw = dict(query_seq_lengths=jnp.array([40], jnp.int32), key_value_seq_lengths=jnp.array([50], jnp.int32))
+
+    def saved(**extra):
+        f = lambda q, k, v: dot_product_attention(q, k, v, **kw, **extra, implementation=impl)
+        res = jax.eval_shape(lambda q, k, v: jax.vjp(f, q, k, v)[1], q, k, v)
+        return [x.shape for x in jax.tree_util.tree_leaves(res) if hasattr(x, "shape")]
+
+    for extra in ({"local_window_size": (5, 5)}, {"local_window_size": (5, 2), "is_causal": True}, {}):
+        shapes = saved(**extra)
+        assert all(np.prod(s) < T * T for s in shapes), shapes
+    assert any(np.prod(s) >= T * T for s in saved(bias=jnp.zeros((1, N, T, T))))
+    if impl == "pallas":
+        f = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, **kw, local_window_size=3, implementation=impl))
+        assert "attention_fwd" in str(jax.make_jaxpr(jax.grad(f))(q, k, v))
+
+
+def test_jax_nn_bias_gradient_with_short_mask():
+    # A 3-D mask [1, 1, S] gets leading dims, as jax.nn; the bias gets its gradient.
+    B, S, N, H = 2, 16, 2, 8
+    x = _inputs(B, S, S, N, N, H)[0]
+    bias = jax.random.normal(jax.random.PRNGKey(7), (B, N, S, S))
+    mask = jnp.ones((1, 1, S), bool).at[..., 3].set(False)
+    ours = lambda x, b: dot_product_attention(x, x, x, b, mask)
+    theirs = lambda x, b: jax.nn.dot_product_attention(x, x, x, b, mask)
+    chex.assert_trees_all_close(_vjp_all(ours, (x, bias), x), _vjp_all(theirs, (x, bias), x), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_extras_keep_their_conventions_next_to_jax_arguments(impl):
+    B, T, N, H = 2, 12, 2, 8
+    q, k, v, _ = _inputs(B, T, T, N, N, H)
+    # sliding_window=w is local_window_size=(w - 1, 0) under is_causal.
+    a = dot_product_attention(q, k, v, is_causal=True, sliding_window=4, implementation=impl)
+    b = dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0), implementation=impl)
+    chex.assert_trees_all_close(a, b, atol=1e-6, rtol=1e-6)
+    # A row that only segment_ids leave without keys gives 0; key lengths add to segments.
+    seg = (jnp.zeros((B, T), jnp.int32).at[:, -1].set(7), jnp.zeros((B, T), jnp.int32))
+    out = dot_product_attention(q, k, v, segment_ids=seg, key_value_seq_lengths=jnp.array([5, 9], jnp.int32),
+                                implementation=impl)
+    np.testing.assert_array_equal(out[:, -1], 0.0)
+    want = ref.dot_product_attention(q[:, :-1], k[:, :5], v[:, :5])
+    chex.assert_trees_all_close(out[0, :-1], want[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        ({"local_window_size": (2, -1)}, ValueError, r"local_window_size must be a non-negative int or a pair"),
+        ({"local_window_size": 2, "sliding_window": 3}, ValueError, r"local_window_size .* or sliding_window, not both"),
+        ({"mask": jnp.ones((1, 1, 8, 8))}, TypeError, r"mask must be a boolean array.*got float32"),
+        ({"bias": jnp.ones((1, 3, 8, 8))}, ValueError, r"bias must broadcast to \[B, N, T, S\] = \(1, 4, 8, 8\), got \(1, 3, 8, 8\)"),
+        ({"query_seq_lengths": jnp.array([3, 4], jnp.int32)}, ValueError, r"query_seq_lengths must have shape \(1,\)"),
+        ({"key_value_seq_lengths": jnp.array([3.0])}, TypeError, r"key_value_seq_lengths must have an integer dtype"),
+    ],
+)
+def test_jax_signature_bad_inputs(kw, error, match):
+    with pytest.raises(error, match=match) as info:
+        dot_product_attention(jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16)), **kw)
+    assert "dot_product_attention" in str(info.value)

@@ -20,6 +20,7 @@ EMPTY = [
     ("gelu", lambda x, impl: jaxbwd.gelu(x, implementation=impl), (jnp.ones((3, 0)),)),
     ("swiglu", lambda g, u, impl: jaxbwd.swiglu(g, u, implementation=impl), (jnp.ones((0, 4)), jnp.ones((0, 4)))),
     ("glu", lambda x, impl: jaxbwd.glu(x, implementation=impl), (jnp.ones((0, 4)),)),
+    ("gated_linear_unit", lambda x, impl: jaxbwd.gated_linear_unit(x, implementation=impl), (jnp.ones((0, 4)),)),
     ("bias_add", lambda x, b, impl: jaxbwd.bias_add(x, b, implementation=impl), (jnp.ones((0, 4)), jnp.ones((4,)))),
     ("cross_entropy", lambda x, impl: jaxbwd.cross_entropy(x, jnp.zeros((0,), i32), reduction="sum", implementation=impl), (jnp.ones((0, 10)),)),
     ("embed", lambda t, impl: jaxbwd.embed(jnp.zeros((0,), i32), t, implementation=impl), (jnp.ones((16, 8)),)),

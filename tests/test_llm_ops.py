@@ -1,6 +1,7 @@
 """Op-specific tests of embed, rope and cross_entropy (the registry contract covers the rest)."""
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -363,3 +364,119 @@ def test_cross_entropy_smoothing_near_f32_max_is_finite(impl):
     assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(g)))
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(g), want_g, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rope_scale_factor_is_fractional_positions(impl):
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 2, 8))
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    pos = jnp.array([0, 3, 8, 9, 40])
+    a = _vjp(lambda v: rope(v, positions=pos, scale_factor=8.0, implementation=impl), x, ct)
+    b = _vjp(lambda v: rope(v, positions=pos / 8.0, implementation=impl), x, ct)
+    chex.assert_trees_all_close(a, b, atol=1e-6, rtol=1e-6)
+    # Integer-valued float positions are the integer positions.
+    chex.assert_trees_all_close(_vjp(lambda v: rope(v, positions=pos.astype(jnp.float32), implementation=impl), x, ct),
+                                _vjp(lambda v: rope(v, positions=pos, implementation=impl), x, ct), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rope_llama3_scaling(impl):
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 2, 64))
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    pos = jnp.array([0, 1, 5, 300, 2000, 9000])
+    cfg = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    f = lambda c: lambda v: rope(v, positions=pos, theta=500000.0, frequency_scaling=c, implementation=impl)
+    out, g = _vjp(f(cfg), x, ct)
+    chex.assert_trees_all_close((out, g), _vjp(lambda v: ref.rope(v, positions=pos, theta=500000.0,
+                                                                  frequency_scaling=cfg), x, ct), atol=2e-5, rtol=2e-5)
+    # factor 1 leaves every frequency as it is (up to f32 rounding of the blend, seen at
+    # position 9000); factor 8 changes the low frequencies only.
+    plain = _vjp(f(None), x, ct)
+    chex.assert_trees_all_close(_vjp(f({**cfg, "factor": 1.0}), x, ct), plain, atol=1e-4, rtol=1e-4)
+    inv = ref.rope_inv_freq(64, 500000.0)
+    scaled = ref.llama3_inv_freq(inv, **cfg)
+    np.testing.assert_allclose(scaled[:4], inv[:4])  # wavelength < 256 / 4: kept
+    np.testing.assert_allclose(scaled[-4:], inv[-4:] / 8.0, rtol=1e-6)  # wavelength > 256: divided
+    assert not np.allclose(out, plain[0])
+
+
+# optax.softmax_cross_entropy_with_integer_labels's own cases, with jaxbwd.cross_entropy
+# (reduction="none") in its place: scalar and batched rows, gradients, row and per-class
+# masks, one class axis anywhere, several class axes in any order.
+_OPTAX_LOGITS = np.array([[10.0, 1.0, -2.0], [1.0, 4.0, 0.2]], np.float32)
+_OPTAX_LABELS = np.array([1, 0], np.int32)
+
+
+def _ce(impl, **kw):
+    import jaxbwd
+
+    return lambda x, y: jaxbwd.cross_entropy(x, y, reduction="none", implementation=impl, **kw)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_scalar_and_batched(impl):
+    for x, y in ((_OPTAX_LOGITS[0], _OPTAX_LABELS[0]), (_OPTAX_LOGITS, _OPTAX_LABELS)):
+        want = optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 3))
+        np.testing.assert_allclose(jax.jit(_ce(impl))(jnp.asarray(x), jnp.asarray(y)), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_gradients(impl):
+    x, y = jnp.asarray(_OPTAX_LOGITS), jnp.asarray(_OPTAX_LABELS)
+    if impl == "xla":  # reverse mode: custom_vjp ops have no forward-mode rule
+        jax.test_util.check_grads(lambda x: _ce(impl)(x, y), (x,), order=1, modes=["rev"])
+    g = jax.grad(lambda x: jnp.sum(_ce(impl)(x, y)))(x)
+    gw = jax.grad(lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)))(x)
+    np.testing.assert_allclose(g, gw, rtol=1e-6, atol=1e-6)
+    # A row mask: masked rows give 0 and finite (zero) gradients, as optax.
+    row_mask = jnp.array([True, False])
+    f = lambda x: jnp.sum(_ce(impl, where=row_mask)(x, y))
+    fw = lambda x: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y, where=row_mask))
+    np.testing.assert_allclose(f(x), fw(x), rtol=1e-6)
+    gs = jax.grad(f)(x)
+    assert bool(jnp.all(jnp.isfinite(gs)))
+    np.testing.assert_allclose(gs, jax.grad(fw)(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_optax_ce_per_class_mask(impl):
+    x, y = jnp.asarray(_OPTAX_LOGITS), jnp.array([0, 0])
+    where = jnp.array([[1, 0, 1], [0, 0, 0]], bool)
+    out = _ce(impl, where=where)(x, y)
+    want = optax.softmax_cross_entropy_with_integer_labels(x, y, where=where)
+    np.testing.assert_allclose(out, want, rtol=1e-6)  # row 1 has no class left: 0
+    assert float(out[1]) == 0.0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_optax_ce_axis(axis, impl):
+    shape = (4, 5, 6)
+    x = jax.random.normal(jax.random.PRNGKey(axis), shape)
+    y = jax.random.randint(jax.random.PRNGKey(9), shape[:axis] + shape[axis + 1:], 0, shape[axis])
+    np.testing.assert_allclose(_ce(impl, axis=axis)(x, y),
+                               optax.softmax_cross_entropy_with_integer_labels(x, y, axis=axis), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("axis", [(1, 3), (3, 2), (2, 3), (-3, -1), (-1, -2), (-2, -1), (0, 1, 3), (-4, -3, -1)])
+def test_optax_ce_axes(axis, impl):
+    shape = (2, 3, 4, 5)
+    x = jax.random.uniform(jax.random.PRNGKey(42), shape)
+    keep = tuple(i for i in range(4) if i not in {a % 4 for a in axis})
+    n = int(np.prod([shape[a] for a in axis]))
+    y = jax.random.randint(jax.random.PRNGKey(43), tuple(shape[i] for i in keep), 0, n)
+    f = _ce(impl, axis=axis)
+    fw = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y, axis)
+    np.testing.assert_allclose(f(x, y), fw(x, y), rtol=1e-5, atol=1e-6)
+    ct = jax.random.normal(jax.random.PRNGKey(44), y.shape)
+    np.testing.assert_allclose(jax.vjp(lambda x: f(x, y), x)[1](ct)[0], jax.vjp(lambda x: fw(x, y), x)[1](ct)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_ce_where_needs_no_smoothing():
+    import jaxbwd
+
+    with pytest.raises(ValueError, match="cross_entropy: where needs label_smoothing == 0"):
+        jaxbwd.cross_entropy(jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32), where=jnp.ones((2, 3), bool),
+                             label_smoothing=0.1)

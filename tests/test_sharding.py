@@ -45,7 +45,7 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
         ("silu", lambda x: jaxbwd.silu(x), (x,), (rows,)),
         ("gelu", lambda x: jaxbwd.gelu(x), (x,), (rows,)),
         ("swiglu", lambda g, u: jaxbwd.swiglu(g, u), (x, r(8, 4, 32)), (rows, rows)),
-        ("glu", lambda x: jaxbwd.glu(x), (r(8, 4, 64),), (rows,)),
+        ("gated_linear_unit", lambda x: jaxbwd.gated_linear_unit(x), (r(8, 4, 64),), (rows,)),
         ("bias_add", lambda x, b: jaxbwd.bias_add(x, b), (x, b), (rows, P())),
         ("cross_entropy", lambda l, y: jaxbwd.cross_entropy(l, y), (r(8, 4, 64), labels), (rows, P(dp, None))),
         ("cross_entropy_none", lambda l, y: jaxbwd.cross_entropy(l, y, reduction="none"),

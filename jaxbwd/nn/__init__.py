@@ -9,11 +9,13 @@ from jaxbwd.nn.linen import (
     Embed,
     GroupNorm,
     LayerNorm,
+    MultiHeadDotProductAttention,
     PixelShuffle,
     RMSNorm,
     SwiGLUMLP,
     Upsample,
+    dot_product_attention,
 )
 
-__all__ = ["Attention", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "PixelShuffle", "RMSNorm",
-           "SwiGLUMLP", "Upsample"]
+__all__ = ["Attention", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
+           "PixelShuffle", "RMSNorm", "SwiGLUMLP", "Upsample", "dot_product_attention"]

@@ -1,115 +1,199 @@
 """Flax linen modules whose computation runs through jaxbwd's ops.
 
-Parameter names, shapes and default initialisers follow ``flax.linen``'s own modules
-(``RMSNorm.scale``, ``LayerNorm.scale/bias``, ``Embed.embedding``, ``Dense.kernel/bias``),
-so parameters move across unchanged: ``jaxbwd.nn.RMSNorm()`` is a drop-in for
-``flax.linen.RMSNorm()``. Every module takes ``implementation`` (``None``, ``"pallas"``,
-``"xla"``), passed to each op it calls.
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
+own modules of the same name: every flax argument, in flax's positional order, with flax's
+defaults, parameter names, initialisers and dtype promotion (``dtype``, ``param_dtype``,
+``promote_dtype``). Each adds ``implementation`` (``None``, ``"pallas"``, ``"xla"``), passed
+to each op it calls. A configuration jaxbwd's ops cover (see each class) runs on them; any
+other runs flax's own ``__call__``, so the result is flax's: no argument is ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Optional
 
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import canonicalize_dtype
 
 import jaxbwd
+from jaxbwd.nn import _kernels as K
 
 Initializer = Any
 
 
-class RMSNorm(fnn.Module):
-    """RMSNorm over the last axis; params ``scale`` [D] (init ones), as ``flax.linen.RMSNorm``.
+def _plain_stats(mod, mask) -> bool:
+    """A norm's statistics as the kernels compute them: unmasked, on one device, in float32
+    (flax versions without ``force_float32_reductions`` always reduce in float32)."""
+    return (mask is None and mod.axis_name is None and getattr(mod, "force_float32_reductions", True)
+            and mod.epsilon > 0)
 
-    Call: x [..., D] floating -> [..., D] in x's dtype. ``weight_offset=1.0`` gives Gemma's
-    ``(1 + scale)`` (then initialise ``scale`` to zeros). Errors: those of :func:`jaxbwd.rms_norm`.
+
+def _check_activation(cls: str, activation) -> None:
+    if activation not in (None, "silu"):
+        raise ValueError(f"jaxbwd.nn.{cls}: activation must be None or 'silu', got {activation!r}")
+
+
+class RMSNorm(fnn.RMSNorm):
+    """``flax.linen.RMSNorm`` (all its arguments); param ``scale`` [D].
+
+    Kernel path (:func:`jaxbwd.rms_norm`): ``reduction_axes`` and ``feature_axes`` both the
+    last axis, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``,
+    ``epsilon > 0``; ``use_scale=False`` runs with a unit weight. ``use_fast_variance`` has
+    no effect on RMSNorm (no mean is subtracted). Any other configuration runs flax's code.
+    dtype: the kernel runs in the wider of (x, scale) and ``dtype`` and returns ``dtype``
+    (default: the promoted type of x and scale), as flax.
+
+    Extra: ``weight_offset=1.0`` gives Gemma's ``(1 + scale)`` (initialise ``scale`` to zeros);
+    kernel path only (ValueError otherwise). Call: x [..., D] -> same shape.
     Source: Zhang & Sennrich (2019).
     """
 
-    epsilon: float = 1e-6
     weight_offset: float = 0.0
-    param_dtype: Any = jnp.float32
-    scale_init: Initializer = fnn.initializers.ones
     implementation: Optional[str] = None
 
+    def _covered(self, x, mask) -> bool:
+        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+
     @fnn.compact
-    def __call__(self, x):
-        scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
-        return jaxbwd.rms_norm(x, scale.astype(x.dtype) if x.dtype != scale.dtype else scale,
-                               eps=self.epsilon, weight_offset=self.weight_offset,
-                               implementation=self.implementation)
+    def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        if not self._covered(x, mask):
+            if self.weight_offset:
+                raise ValueError("jaxbwd.nn.RMSNorm: weight_offset needs the kernel path (last-axis reduction and "
+                                 f"features, no mask or axis_name), got reduction_axes={self.reduction_axes!r}, "
+                                 f"feature_axes={self.feature_axes!r}")
+            return super().__call__(x, mask=mask)
+        scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype) if self.use_scale else None
+        out = canonicalize_dtype(x, scale, dtype=self.dtype)
+        return K.rms_norm(x, scale, eps=self.epsilon, weight_offset=self.weight_offset, out_dtype=out,
+                          impl=self.implementation)
 
 
-class LayerNorm(fnn.Module):
-    """LayerNorm over the last axis; params ``scale`` (ones) and ``bias`` (zeros), as flax.
+class LayerNorm(fnn.LayerNorm):
+    """``flax.linen.LayerNorm`` (all its arguments); params ``scale`` and ``bias`` [D].
 
-    Call: x [..., D] floating -> [..., D] in x's dtype. Errors: those of :func:`jaxbwd.layer_norm`.
-    Source: Ba et al. (2016).
+    Kernel path (:func:`jaxbwd.layer_norm`): ``reduction_axes`` and ``feature_axes`` the last
+    axis, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``, ``epsilon > 0``;
+    ``use_scale``/``use_bias=False`` run with a unit weight / zero bias. ``use_fast_variance``:
+    both settings take the kernel, which always computes the variance in two passes over a
+    float32 row (flax's slow, accurate form; the fast form is only a cheaper formula for the
+    same quantity). dtype as :class:`RMSNorm`. Any other configuration runs flax's code.
+    Call: x [..., D] -> same shape. Source: Ba et al. (2016).
     """
 
-    epsilon: float = 1e-6
-    param_dtype: Any = jnp.float32
-    scale_init: Initializer = fnn.initializers.ones
-    bias_init: Initializer = fnn.initializers.zeros
     implementation: Optional[str] = None
 
+    def _covered(self, x, mask) -> bool:
+        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+
     @fnn.compact
-    def __call__(self, x):
+    def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        if not self._covered(x, mask):
+            return super().__call__(x, mask=mask)
         d = x.shape[-1]
-        scale = self.param("scale", self.scale_init, (d,), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (d,), self.param_dtype)
-        return jaxbwd.layer_norm(x, scale, bias, eps=self.epsilon, implementation=self.implementation)
+        scale = self.param("scale", self.scale_init, (d,), self.param_dtype) if self.use_scale else None
+        bias = self.param("bias", self.bias_init, (d,), self.param_dtype) if self.use_bias else None
+        out = canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+        return K.layer_norm(x, scale, bias, eps=self.epsilon, out_dtype=out, impl=self.implementation)
 
 
-class Embed(fnn.Module):
-    """Token embedding; param ``embedding`` [num_embeddings, features], flax's default init.
+class Embed(fnn.Embed):
+    """``flax.linen.Embed`` (all its arguments); param ``embedding`` [num_embeddings, features].
 
-    Call: ids int [...] -> [..., features] in ``param_dtype``. ``attend(x)``: x [..., features]
-    -> logits [..., num_embeddings] (tied output projection, via :func:`jaxbwd.matmul`).
-    Errors: those of :func:`jaxbwd.embed`. Source: a lookup table; backward is a scatter-add.
+    Kernel path (:func:`jaxbwd.embed`, Pallas scatter-add backward): a floating table
+    (after ``promote_dtype(..., dtype=dtype, inexact=False)``, as flax) and
+    ``num_embeddings > 1``; ids in [-V, 0) wrap and ids outside [-V, V) give NaN rows, as
+    ``jnp.take`` in flax. ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted
+    operands: bf16 queries with an f32 table give f32 logits, as flax.
+    Call: ids int [...] -> [..., features]. Source: a lookup table.
     """
 
-    num_embeddings: int
-    features: int
-    param_dtype: Any = jnp.float32
-    embedding_init: Initializer = fnn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
     implementation: Optional[str] = None
 
-    def setup(self):
-        self.embedding = self.param(
-            "embedding", self.embedding_init, (self.num_embeddings, self.features), self.param_dtype
-        )
+    def __call__(self, inputs):
+        if not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
+            return super().__call__(inputs)
+        (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+        if not jnp.issubdtype(embedding.dtype, jnp.floating):
+            return super().__call__(inputs)
+        return K.embed_lookup(inputs, embedding, self.implementation)
 
-    def __call__(self, ids):
-        return jaxbwd.embed(ids, self.embedding, implementation=self.implementation)
+    def attend(self, query):
+        query, embedding = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+        if jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating):
+            return super().attend(query)
+        return K.attend(query, embedding, self.implementation)
 
-    def attend(self, x):
-        return jaxbwd.matmul(x, self.embedding.T.astype(x.dtype), implementation=self.implementation)
 
+class Dense(fnn.Dense):
+    """``flax.linen.Dense`` (all its arguments); params ``kernel`` [in, features], ``bias``.
 
-class Dense(fnn.Module):
-    """Affine layer; params ``kernel`` [in, features] (lecun_normal) and ``bias`` [features] (zeros).
-
-    Call: x [..., in] -> [..., features]. Uses :func:`jaxbwd.matmul` and :func:`jaxbwd.bias_add`.
-    Errors: those of the two ops. Source: as ``flax.linen.Dense``.
+    Kernel path (:func:`jaxbwd.matmul` + :func:`jaxbwd.bias_add`): ``precision=None``, no
+    ``dot_general``/``dot_general_cls``; operands promoted by the module's ``promote_dtype``
+    (``dtype``/``param_dtype`` as flax). Otherwise flax's code.
+    Call: x [..., in] -> [..., features]. Source: as ``flax.linen.Dense``.
     """
 
-    features: int
-    use_bias: bool = True
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = fnn.initializers.lecun_normal()
-    bias_init: Initializer = fnn.initializers.zeros
     implementation: Optional[str] = None
 
     @fnn.compact
-    def __call__(self, x):
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
-        y = jaxbwd.matmul(x, kernel.astype(x.dtype), implementation=self.implementation)
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            y = jaxbwd.bias_add(y, bias.astype(y.dtype), implementation=self.implementation)
-        return y
+    def __call__(self, inputs):
+        if (self.precision is not None or self.dot_general is not None or self.dot_general_cls is not None
+                or jnp.ndim(inputs) == 0):
+            return super().__call__(inputs)
+        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return K.dense(inputs, kernel, bias, self.implementation)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                          force_fp32_for_softmax=False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+                          attn_weights_value_einsum=None):
+    """``flax.linen.dot_product_attention`` (same signature) on :func:`jaxbwd.dot_product_attention`.
+
+    query [batch, q_len, heads, depth] (or unbatched [q_len, heads, depth]), key/value
+    [batch, kv_len, heads, depth]; promoted to ``dtype`` as flax. Runs jaxbwd's op when no
+    dropout is active (``dropout_rate == 0`` or ``deterministic``), ``precision``,
+    ``einsum_dot_general`` and the einsum overrides are None, ``module`` is None (no
+    sown weights) and there is at most one batch dim: with no ``bias``/``mask`` on the flash
+    kernels, with a dense ``bias``/``mask`` (flax's usual causal/padding masks) on the
+    op's dense XLA path. Masked logits and fully masked rows follow flax (a uniform softmax
+    over the row). The softmax is always float32 (flax's ``force_fp32_for_softmax=True``
+    behaviour; both settings take this path). Anything else runs flax's own function.
+    Source: Vaswani et al. (2017).
+    """
+    query, key, value = fnn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+    covered = ((dropout_rate == 0.0 or deterministic) and precision is None and einsum_dot_general is None
+               and qk_attn_weights_einsum is None and attn_weights_value_einsum is None and module is None
+               and query.ndim in (3, 4) and key.ndim == query.ndim and value.ndim == query.ndim)
+    if not covered:
+        return fnn.dot_product_attention(
+            query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+            precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
+            attn_weights_value_einsum)
+    # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
+    return jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
+
+
+class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
+    """``flax.linen.MultiHeadDotProductAttention`` (all its arguments and parameters) whose
+    default ``attention_fn`` is :func:`dot_product_attention` above (jaxbwd's op where it
+    covers the call, flax's function otherwise); projections are flax's ``DenseGeneral``.
+    ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
+    Source: Vaswani et al. (2017).
+    """
+
+    attention_fn: Callable[..., Any] = dot_product_attention
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, *args, **kwargs):
+        ctx = jaxbwd.config.use(implementation=self.implementation) if self.implementation else contextlib.nullcontext()
+        with ctx:
+            return super().__call__(*args, **kwargs)
 
 
 class SwiGLUMLP(fnn.Module):
@@ -162,63 +246,75 @@ class Attention(fnn.Module):
         return dense(x.shape[-1], "out")(o.reshape(B, T, self.num_heads * self.head_dim))
 
 
-class GroupNorm(fnn.Module):
-    """GroupNorm over (spatial, channels of a group), channels last; params ``scale``, ``bias``.
+class GroupNorm(fnn.GroupNorm):
+    """``flax.linen.GroupNorm`` (all its arguments), channels last; params ``scale``, ``bias`` [C].
 
-    As ``flax.linen.GroupNorm`` (``num_groups=32``, ``epsilon=1e-6``). ``activation="silu"``
-    fuses the SiLU that UNet blocks apply next. Call: x [N, ..., C] -> same shape and dtype.
-    Errors: those of :func:`jaxbwd.group_norm`. Source: Wu & He (2018).
+    Kernel path (:func:`jaxbwd.group_norm`): x of rank >= 2, ``reduction_axes`` None (flax's
+    default: every axis but the first) or equal to it, a valid ``num_groups`` or
+    ``group_size``, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``,
+    ``epsilon > 0``; ``use_fast_variance`` as :class:`LayerNorm`. Otherwise flax's code.
+    Extra: ``activation="silu"`` fuses the SiLU that UNet blocks apply next (applied after
+    flax's result on the other path). Call: x [N, ..., C] -> same shape. Source: Wu & He (2018).
     """
 
-    num_groups: int = 32
-    epsilon: float = 1e-6
     activation: Optional[str] = None
-    param_dtype: Any = jnp.float32
-    scale_init: Initializer = fnn.initializers.ones
-    bias_init: Initializer = fnn.initializers.zeros
     implementation: Optional[str] = None
 
+    def _groups(self, c: int):
+        if (self.num_groups is None) == (self.group_size is None):
+            return None
+        if self.group_size is not None:
+            return c // self.group_size if self.group_size > 0 and c % self.group_size == 0 else None
+        return self.num_groups
+
     @fnn.compact
-    def __call__(self, x):
+    def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        _check_activation("GroupNorm", self.activation)
+        g = self._groups(x.shape[-1]) if x.ndim else None
+        if not (_plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)):
+            y = super().__call__(x, mask=mask)
+            return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         c = x.shape[-1]
-        scale = self.param("scale", self.scale_init, (c,), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (c,), self.param_dtype)
-        return jaxbwd.group_norm(x, scale.astype(x.dtype), bias.astype(x.dtype), num_groups=self.num_groups,
-                                 eps=self.epsilon, activation=self.activation, implementation=self.implementation)
+        scale = self.param("scale", self.scale_init, (c,), self.param_dtype) if self.use_scale else None
+        bias = self.param("bias", self.bias_init, (c,), self.param_dtype) if self.use_bias else None
+        out = canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+        return K.group_norm(x, scale, bias, num_groups=g, eps=self.epsilon, activation=self.activation,
+                            out_dtype=out, impl=self.implementation)
 
 
-class Conv(fnn.Module):
-    """2-D convolution, NHWC; params ``kernel`` [kh, kw, Cin/groups, features] and ``bias``.
+class Conv(fnn.Conv):
+    """``flax.linen.Conv`` (all its arguments), channels last; params ``kernel``
+    [*kernel_size, Cin/feature_group_count, features] and ``bias`` [features].
 
-    As ``flax.linen.Conv`` for 2-D inputs (lecun_normal kernel, zero bias, padding "SAME").
-    Call: x [N, H, W, Cin] -> [N, Ho, Wo, features]. Errors: those of :func:`jaxbwd.conv2d`.
-    Source: implicit-GEMM dgrad/wgrad kernels (see :func:`jaxbwd.conv2d`).
+    Kernel path (:func:`jaxbwd.conv2d`, Pallas dgrad/wgrad): 1-D or 2-D ``kernel_size``
+    (1-D runs as 2-D over a height of 1), ``input_dilation`` 1, any ``strides``,
+    ``kernel_dilation``, ``feature_group_count``, ``mask`` (multiplied into the kernel, as
+    flax), padding an int, ints, pairs, ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``,
+    ``"REFLECT"`` or (1-D) ``"CAUSAL"`` (the last three pad the input and convolve VALID,
+    as flax), unbatched or any number of batch dims, ``precision=None`` and no
+    ``conv_general_dilated``/``_cls``. Otherwise (3-D kernels, input dilation, negative
+    padding, other padding strings, a precision) flax's code. Source: as ``flax.linen.Conv``.
     """
 
-    features: int
-    kernel_size: tuple = (3, 3)
-    strides: Any = 1
-    padding: Any = "SAME"
-    kernel_dilation: Any = 1
-    feature_group_count: int = 1
-    use_bias: bool = True
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = fnn.initializers.lecun_normal()
-    bias_init: Initializer = fnn.initializers.zeros
     implementation: Optional[str] = None
 
     @fnn.compact
-    def __call__(self, x):
-        kh, kw = self.kernel_size
-        cin = x.shape[-1] // self.feature_group_count
-        kernel = self.param("kernel", self.kernel_init, (kh, kw, cin, self.features), self.param_dtype)
-        y = jaxbwd.conv2d(x, kernel.astype(x.dtype), stride=self.strides, padding=self.padding,
-                          dilation=self.kernel_dilation, groups=self.feature_group_count,
-                          implementation=self.implementation)
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            y = jaxbwd.bias_add(y, bias.astype(y.dtype), implementation=self.implementation)
-        return y
+    def __call__(self, inputs):
+        ks = (self.kernel_size,) if isinstance(self.kernel_size, int) else tuple(self.kernel_size)
+        cin, fgc = jnp.shape(inputs)[-1], self.feature_group_count
+        kernel_shape = ks + (cin // fgc, self.features)
+        if not (K.conv_covered(ks, self.padding, self.input_dilation) and self.precision is None
+                and self.conv_general_dilated is None and self.conv_general_dilated_cls is None
+                and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0
+                and (self.mask is None or self.mask.shape == kernel_shape)):
+            return super().__call__(inputs)
+        kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
+        if self.mask is not None:
+            kernel *= self.mask
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return K.conv(inputs, kernel, bias, kernel_size=ks, strides=self.strides, padding=self.padding,
+                      kernel_dilation=self.kernel_dilation, feature_group_count=fgc, impl=self.implementation)
 
 
 class PixelShuffle(fnn.Module):

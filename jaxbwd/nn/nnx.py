@@ -1,22 +1,28 @@
 """Flax NNX modules whose computation runs through jaxbwd's ops.
 
-Each class subclasses the flax NNX module of the same name and replaces only
-``__call__``: parameters (names, shapes, initialisers, metadata) are flax's own, so NNX
-state moves across unchanged. Each constructor takes flax's arguments plus
-``implementation=None|"pallas"|"xla"``.
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``Linear``, ``Embed`` and ``Conv`` subclass the
+flax NNX module of the same name and take its constructor unchanged (positional order,
+defaults, initialisers, metadata, ``dtype``/``param_dtype``/``promote_dtype``), plus
+``implementation=None|"pallas"|"xla"``: parameters are flax's own, so NNX state moves
+across unchanged. ``__call__`` runs jaxbwd's ops on flax's promoted operands where they
+cover the configuration (see each class, and :mod:`jaxbwd.nn.linen` for the same rules),
+and flax's own ``__call__`` otherwise: no argument is ignored.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import jaxbwd
+from jaxbwd.nn import _kernels as K
 
 
 def _value(p):
-    return p[...] if hasattr(p, "__getitem__") else p.value
+    return None if p is None else (p[...] if hasattr(p, "__getitem__") else p.value)
 
 
 class _Impl:
@@ -26,126 +32,196 @@ class _Impl:
 
 
 class RMSNorm(nnx.RMSNorm, _Impl):
-    """``flax.nnx.RMSNorm`` over the last axis via :func:`jaxbwd.rms_norm`.
+    """``flax.nnx.RMSNorm`` (same constructor); kernel path :func:`jaxbwd.rms_norm`.
 
-    Call: x [..., num_features] floating -> same shape, x's dtype. Requires ``use_scale=True``
-    and the default last-axis reduction. Errors: those of :func:`jaxbwd.rms_norm`; ValueError
-    for other reduction axes. Source: Zhang & Sennrich (2019).
+    Kernel path: ``reduction_axes`` and ``feature_axes`` the last axis, no ``axis_name``,
+    no ``mask``, ``epsilon > 0`` (``use_scale=False`` runs with a unit weight). x and scale
+    are first promoted by the module's ``promote_dtype`` (``dtype``), as flax. Otherwise
+    flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Zhang & Sennrich (2019).
     """
 
-    def __init__(self, num_features: int, *, implementation: Optional[str] = None, **kwargs):
-        super().__init__(num_features, **kwargs)
-        if self.reduction_axes not in (-1, (-1,)) or self.scale is None:
-            raise ValueError("jaxbwd.nn.nnx.RMSNorm: only use_scale=True over the last axis is supported")
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
         self._set_impl(implementation)
 
-    def __call__(self, x, mask=None):
-        if mask is not None:
-            raise ValueError("jaxbwd.nn.nnx.RMSNorm: mask is not supported, got a mask")
-        return jaxbwd.rms_norm(x, _value(self.scale).astype(x.dtype), eps=self.epsilon,
-                               implementation=self.implementation)
+    def __call__(self, x, mask: Optional[jax.Array] = None):
+        if not (mask is None and self.axis_name is None and self.epsilon > 0
+                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)):
+            return super().__call__(x, mask=mask)
+        x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
+        out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale) if a is not None])
+        return K.rms_norm(x, scale, eps=self.epsilon, weight_offset=0.0, out_dtype=out, impl=self.implementation)
 
 
 class LayerNorm(nnx.LayerNorm, _Impl):
-    """``flax.nnx.LayerNorm`` over the last axis via :func:`jaxbwd.layer_norm`.
+    """``flax.nnx.LayerNorm`` (same constructor); kernel path :func:`jaxbwd.layer_norm`.
 
-    Call: x [..., num_features] -> same shape, x's dtype. Requires scale and bias.
-    Errors: those of :func:`jaxbwd.layer_norm`. Source: Ba et al. (2016).
+    Kernel path: as :class:`RMSNorm`; ``use_scale``/``use_bias=False`` run with a unit
+    weight / zero bias; ``use_fast_variance`` as :class:`jaxbwd.nn.LayerNorm`. Otherwise
+    flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Ba et al. (2016).
     """
 
-    def __init__(self, num_features: int, *, implementation: Optional[str] = None, **kwargs):
-        super().__init__(num_features, **kwargs)
-        if self.reduction_axes not in (-1, (-1,)) or self.scale is None or self.bias is None:
-            raise ValueError("jaxbwd.nn.nnx.LayerNorm: only scale and bias over the last axis are supported")
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
         self._set_impl(implementation)
 
-    def __call__(self, x, mask=None):
-        if mask is not None:
-            raise ValueError("jaxbwd.nn.nnx.LayerNorm: mask is not supported, got a mask")
-        return jaxbwd.layer_norm(x, _value(self.scale).astype(x.dtype), _value(self.bias).astype(x.dtype),
-                                 eps=self.epsilon, implementation=self.implementation)
+    def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        if not (mask is None and self.axis_name is None and self.epsilon > 0
+                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)):
+            return super().__call__(x, mask=mask)
+        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
+        return K.layer_norm(x, scale, bias, eps=self.epsilon, out_dtype=out, impl=self.implementation)
 
 
 class Linear(nnx.Linear, _Impl):
-    """``flax.nnx.Linear`` via :func:`jaxbwd.matmul` and :func:`jaxbwd.bias_add`.
+    """``flax.nnx.Linear`` (same constructor); kernel path :func:`jaxbwd.matmul` + :func:`jaxbwd.bias_add`.
 
-    Call: x [..., in_features] -> [..., out_features]. Errors: those of the two ops.
+    Kernel path: ``precision=None``, the default ``dot_general``, no
+    ``preferred_element_type``, no ``out_sharding`` at the call; operands promoted by the
+    module's ``promote_dtype``. Otherwise flax's ``__call__``.
+    Call: x [..., in_features] -> [..., out_features].
     """
 
-    def __init__(self, in_features: int, out_features: int, *, implementation: Optional[str] = None, **kwargs):
-        super().__init__(in_features, out_features, **kwargs)
-        self._set_impl(implementation)
-
-    def __call__(self, x, out_sharding=None):
-        y = jaxbwd.matmul(x, _value(self.kernel).astype(x.dtype), implementation=self.implementation)
-        if self.bias is not None:
-            y = jaxbwd.bias_add(y, _value(self.bias).astype(y.dtype), implementation=self.implementation)
-        return y
-
-
-class Embed(nnx.Embed, _Impl):
-    """``flax.nnx.Embed`` via :func:`jaxbwd.embed` (Pallas scatter-add backward).
-
-    Call: ids int [...] -> [..., features]. ``attend(x)``: [..., features] ->
-    [..., num_embeddings]. Errors: those of :func:`jaxbwd.embed`.
-    """
-
-    def __init__(self, num_embeddings: int, features: int, *, implementation: Optional[str] = None, **kwargs):
-        super().__init__(num_embeddings, features, **kwargs)
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
         self._set_impl(implementation)
 
     def __call__(self, inputs, out_sharding=None):
-        return jaxbwd.embed(inputs, _value(self.embedding), implementation=self.implementation)
+        if (out_sharding is not None or self.precision is not None or self.dot_general is not jax.lax.dot_general
+                or getattr(self, "dot_general_cls", None) is not None or self.preferred_element_type is not None
+                or jnp.ndim(inputs) == 0):
+            return super().__call__(inputs, out_sharding=out_sharding)
+        inputs, kernel, bias = self.promote_dtype((inputs, _value(self.kernel), _value(self.bias)), dtype=self.dtype)
+        return K.dense(inputs, kernel, bias, self.implementation)
+
+
+class Embed(nnx.Embed, _Impl):
+    """``flax.nnx.Embed`` (same constructor); kernel path :func:`jaxbwd.embed` (Pallas scatter-add backward).
+
+    Kernel path as :class:`jaxbwd.nn.Embed` (floating promoted table, ``num_embeddings > 1``,
+    jnp.take's wrap/NaN conventions for out-of-range ids), and no ``out_sharding``.
+    ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted operands.
+    Call: ids int [...] -> [..., features].
+    """
+
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._set_impl(implementation)
+
+    def __call__(self, inputs, out_sharding=None):
+        if out_sharding is not None or not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
+            return super().__call__(inputs, out_sharding=out_sharding)
+        (embedding,) = self.promote_dtype((_value(self.embedding),), dtype=self.dtype, inexact=False)
+        if not jnp.issubdtype(embedding.dtype, jnp.floating):
+            return super().__call__(inputs)
+        return K.embed_lookup(inputs, embedding, self.implementation)
 
     def attend(self, query, out_sharding=None):
-        return jaxbwd.matmul(query, _value(self.embedding).T.astype(query.dtype), implementation=self.implementation)
+        query, embedding = self.promote_dtype((query, _value(self.embedding)), dtype=self.dtype)
+        if out_sharding is not None or jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating):
+            return super().attend(query, out_sharding=out_sharding)
+        return K.attend(query, embedding, self.implementation)
 
 
 class GroupNorm(nnx.GroupNorm, _Impl):
-    """``flax.nnx.GroupNorm`` (channels last) via :func:`jaxbwd.group_norm`.
+    """``flax.nnx.GroupNorm`` (same constructor, ``num_groups``/``group_size`` positional too),
+    channels last; kernel path :func:`jaxbwd.group_norm`.
 
-    Call: x [N, ..., num_features] -> same shape, x's dtype. ``activation="silu"`` fuses
-    the SiLU that follows in UNet blocks. Requires scale and bias. Errors: those of
-    :func:`jaxbwd.group_norm`. Source: Wu & He (2018).
+    Kernel path: x of rank >= 2, ``reduction_axes`` None or flax's default (every axis but
+    the first), no ``axis_name``, no ``mask``, ``epsilon > 0``. Otherwise flax's ``__call__``.
+    Extra: ``activation="silu"`` fuses the SiLU that UNet blocks apply next (applied after
+    flax's result on the other path). Call: x [N, ..., num_features] -> same shape.
+    Source: Wu & He (2018).
     """
 
-    def __init__(self, num_features: int, *, activation: Optional[str] = None,
-                 implementation: Optional[str] = None, **kwargs):
-        super().__init__(num_features, **kwargs)
-        if self.scale is None or self.bias is None:
-            raise ValueError("jaxbwd.nn.nnx.GroupNorm: use_scale and use_bias must be True")
+    def __init__(self, *args, activation: Optional[str] = None, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if activation not in (None, "silu"):
+            raise ValueError(f"jaxbwd.nn.nnx.GroupNorm: activation must be None or 'silu', got {activation!r}")
         self.activation = activation
         self._set_impl(implementation)
 
-    def __call__(self, x, mask=None):
-        if mask is not None:
-            raise ValueError("jaxbwd.nn.nnx.GroupNorm: mask is not supported, got a mask")
-        return jaxbwd.group_norm(x, _value(self.scale).astype(x.dtype), _value(self.bias).astype(x.dtype),
-                                 num_groups=self.num_groups, eps=self.epsilon, activation=self.activation,
-                                 implementation=self.implementation)
+    def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        if not (mask is None and self.axis_name is None and self.epsilon > 0
+                and K.group_norm_covered(x, self.reduction_axes, self.num_groups)):
+            y = super().__call__(x, mask=mask)
+            return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
+        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
+        return K.group_norm(x, scale, bias, num_groups=self.num_groups, eps=self.epsilon,
+                            activation=self.activation, out_dtype=out, impl=self.implementation)
 
 
 class Conv(nnx.Conv, _Impl):
-    """``flax.nnx.Conv`` for 2-D NHWC inputs via :func:`jaxbwd.conv2d` (+ :func:`jaxbwd.bias_add`).
+    """``flax.nnx.Conv`` (same constructor, ``strides`` positional too); kernel path
+    :func:`jaxbwd.conv2d` (+ :func:`jaxbwd.bias_add`).
 
-    Call: x [N, H, W, in_features] -> [N, Ho, Wo, out_features]. Input dilation and masks
-    are not supported (ValueError). Errors: those of :func:`jaxbwd.conv2d`.
+    Kernel path as :class:`jaxbwd.nn.Conv` (1-D/2-D kernels, every padding mode but 3-D and
+    other strings, no input dilation, ``mask`` multiplied in, any batch dims), plus the
+    default ``conv_general_dilated``, no ``preferred_element_type``, no ``out_sharding``.
+    Otherwise flax's ``__call__``.
     """
 
-    def __init__(self, in_features: int, out_features: int, kernel_size, *,
-                 implementation: Optional[str] = None, **kwargs):
-        super().__init__(in_features, out_features, kernel_size, **kwargs)
-        if len(self.kernel_shape) != 4 or self.mask is not None or self.input_dilation not in (1, (1, 1)):
-            raise ValueError("jaxbwd.nn.nnx.Conv: only 2-D kernels without mask or input dilation are supported")
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
         self._set_impl(implementation)
 
-    def __call__(self, x):
-        y = jaxbwd.conv2d(x, _value(self.kernel).astype(x.dtype), stride=self.strides, padding=self.padding,
-                          dilation=self.kernel_dilation, groups=self.feature_group_count,
-                          implementation=self.implementation)
-        if self.bias is not None:
-            y = jaxbwd.bias_add(y, _value(self.bias).astype(y.dtype), implementation=self.implementation)
-        return y
+    def __call__(self, inputs, out_sharding=None):
+        ks = tuple(self.kernel_size)
+        if not (out_sharding is None and K.conv_covered(ks, self.padding, self.input_dilation)
+                and self.precision is None and self.conv_general_dilated is jax.lax.conv_general_dilated
+                and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
+                and (self.mask is None or self.mask.shape == self.kernel_shape)):
+            return super().__call__(inputs, out_sharding=out_sharding)
+        kernel = _value(self.kernel)
+        if self.mask is not None:
+            kernel = kernel * self.mask
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, _value(self.bias)), dtype=self.dtype)
+        return K.conv(inputs, kernel, bias, kernel_size=ks, strides=self.strides, padding=self.padding,
+                      kernel_dilation=self.kernel_dilation, feature_group_count=self.feature_group_count,
+                      impl=self.implementation)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                          promote_dtype=nnx.nn.dtypes.promote_dtype, is_causal=False):
+    """``flax.nnx.dot_product_attention`` (same signature) on :func:`jaxbwd.dot_product_attention`.
+
+    Where flax's own function calls ``jax.nn.dot_product_attention`` (no dropout, nothing
+    sown), this runs jaxbwd's op with jax.nn's meaning: ``is_causal``, GQA (fewer kv
+    heads) and unbatched inputs on the flash kernels, a dense ``bias``/``mask`` on the op's
+    documented XLA path, several batch dims flattened as flax does. ``precision`` is
+    ignored there by flax too. Otherwise (dropout, ``module``) flax's function runs.
+    Source: Vaswani et al. (2017).
+    """
+    if dropout_rate != 0.0 or module is not None or query.ndim < 3:
+        return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+                                         deterministic, dtype, precision, module, promote_dtype, is_causal)
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    shape = query.shape
+    if query.ndim > 4:
+        flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
+        query, key, value, bias, mask = flat(query), flat(key), flat(value), flat(bias), flat(mask)
+    mask = None if mask is None else mask.astype(jnp.bool_)
+    return jaxbwd.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal).reshape(shape)
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
+    """``flax.nnx.MultiHeadAttention`` (same constructor) whose default ``attention_fn`` is
+    :func:`dot_product_attention` above; projections, norms, decode cache and state are
+    flax's. ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
+    Source: Vaswani et al. (2017).
+    """
+
+    def __init__(self, *args, attention_fn=dot_product_attention, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, attention_fn=attention_fn, **kwargs)
+        self._set_impl(implementation)
+
+    def __call__(self, *args, **kwargs):
+        impl = self.implementation
+        with jaxbwd.config.use(implementation=impl) if impl else contextlib.nullcontext():
+            return super().__call__(*args, **kwargs)
 
 
 class SwiGLUMLP(nnx.Module, _Impl):

@@ -1,4 +1,4 @@
-"""silu, gelu, swiglu, glu and softmax: custom_vjp ops with fused backward kernels.
+"""silu, gelu, swiglu, gated_linear_unit, glu and softmax: custom_vjp ops with fused backward kernels.
 
 Forward (XLA): computed in float32 (float64 stays float64), output in the input's dtype.
 Saved for the backward: the inputs only, nothing derived (the activation is recomputed,
@@ -195,7 +195,7 @@ def swiglu(gate, up, *, limit=None, implementation=None):
     return S.partitioned("...,...->...", lambda g, u: _swiglu(g, u, limit, impl), gate, up)
 
 
-# --------------------------------------------------------------------------------- glu
+# ------------------------------------------------------------------- gated_linear_unit
 def _halves(x):
     d = x.shape[-1] // 2
     return x[..., :d], x[..., d:]
@@ -225,8 +225,10 @@ def _glu_bwd(activation, limit, impl, x, dy):
 _glu.defvjp(_glu_fwd, _glu_bwd)
 
 
-def glu(x, *, activation="silu", limit=None, implementation=None):
+def gated_linear_unit(x, *, activation="silu", limit=None, implementation=None):
     """Gated linear unit on a fused projection: ``act(x[..., :d]) * x[..., d:]``.
+
+    (For ``jax.nn.glu``'s ``x1 * sigmoid(x2)`` see :func:`glu`.)
 
     Args:
       x: [..., 2d] float32, bfloat16 or float16; gate is the first half of the last axis,
@@ -249,19 +251,83 @@ def glu(x, *, activation="silu", limit=None, implementation=None):
     Source: Dauphin et al., "Language Modeling with Gated Convolutional Networks" (2017);
     Shazeer, "GLU Variants Improve Transformer" (2020); clamp from gpt-oss (2025).
     """
-    op = "glu"
+    op = "gated_linear_unit"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, min_ndim=1, what="([..., 2d])")
     if x.shape[-1] % 2:
         raise ValueError(
-            f"jaxbwd.glu: x must have an even last dimension (gate and up halves, [..., 2d]), "
+            f"jaxbwd.{op}: x must have an even last dimension (gate and up halves, [..., 2d]), "
             f"got shape {tuple(x.shape)}"
         )
     if activation not in kernels.ACTIVATIONS:
-        raise ValueError(f"jaxbwd.glu: activation must be one of {kernels.ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"jaxbwd.{op}: activation must be one of {kernels.ACTIVATIONS}, got {activation!r}")
     limit = _check_limit(op, limit)
     impl = B.impl(implementation, op, x)  # gate and up are halves of the last axis: keep it whole
     return S.partitioned("...D->...D", lambda x: _glu(x, activation, limit, impl), x)
+
+
+# --------------------------------------------------------------------------------- glu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _sigmoid_glu(x, axis, impl):
+    x1, x2 = jnp.split(_cf(x), 2, axis=axis)
+    return (x1 * jax.nn.sigmoid(x2)).astype(x.dtype)
+
+
+def _sigmoid_glu_fwd(x, axis, impl):
+    return _sigmoid_glu(x, axis, impl), x
+
+
+def _sigmoid_glu_bwd(axis, impl, x, dy):
+    # d(x1 s)/dx1 = s, d(x1 s)/dx2 = x1 s (1 - s), with s = sigmoid(x2): one elementwise
+    # pass over x and dy that XLA fuses (no kernel of its own).
+    x1, x2 = jnp.split(_cf(x), 2, axis=axis)
+    s, g = jax.nn.sigmoid(x2), _cf(dy)
+    return (jnp.concatenate([g * s, g * x1 * s * (1 - s)], axis=axis).astype(x.dtype),)
+
+
+_sigmoid_glu.defvjp(_sigmoid_glu_fwd, _sigmoid_glu_bwd)
+
+
+def glu(x, axis=-1, *, implementation=None):
+    """``jax.nn.glu``: split ``x`` in halves along ``axis`` and return ``x1 * sigmoid(x2)``.
+
+    (The fused-projection gate ``act(x[..., :d]) * x[..., d:]`` with SiLU/GELU is
+    :func:`gated_linear_unit`.)
+
+    Args:
+      x: floating, rank >= 1, with an even size along ``axis``.
+      axis: int in ``[-x.ndim, x.ndim)``, as ``jax.nn.glu``.
+      implementation: accepted for uniformity; both choices run the same XLA formulas
+        (an elementwise backward that XLA fuses into one pass).
+
+    Returns:
+      x's shape with ``axis`` halved, x's dtype; computed in float32.
+
+    Residuals: x. Backward: ``dx1 = dy * s``, ``dx2 = dy * x1 * s * (1 - s)``.
+
+    Raises:
+      TypeError: x not floating; axis not an int.
+      ValueError: x of rank 0; axis out of range; odd size along axis; unknown implementation.
+
+    Source: Dauphin et al., "Language Modeling with Gated Convolutional Networks" (2017), eq. 2.
+    """
+    op = "glu"
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, min_ndim=1)
+    axis = _axis(op, x, axis)
+    if x.shape[axis] % 2:
+        raise ValueError(f"jaxbwd.glu: x must have an even size along axis {axis}, got shape {tuple(x.shape)}")
+    return _sigmoid_glu(x, axis, B.impl(implementation, op, x))
+
+
+def _axis(op, x, axis) -> int:
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"jaxbwd.{op}: axis must be a Python int, got {axis!r}")
+    if not -x.ndim <= int(axis) < x.ndim:
+        raise ValueError(
+            f"jaxbwd.{op}: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"
+        )
+    return int(axis) % x.ndim
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -294,25 +360,32 @@ def _softmax_bwd(axis, impl, y, dy):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def softmax(x, *, axis=-1, implementation=None):
-    """Softmax along ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+def softmax(x, axis=-1, where=None, *, implementation=None):
+    """Softmax over ``axis``, as ``jax.nn.softmax``: ``exp(x - max) / sum(exp(x - max))``.
 
     Args:
       x: [...] float32, bfloat16 or float16, rank >= 1. ``-inf`` entries are masked out;
         a slice that is entirely ``-inf`` gives zeros (not NaN) and zero gradients.
-      axis: int in ``[-x.ndim, x.ndim)``.
+      axis: an int in ``[-x.ndim, x.ndim)``, a tuple of them (the softmax is taken over
+        their joint entries), or ``None`` (all axes), as ``jax.nn.softmax``.
+      where: ``None`` or a boolean array broadcastable to x: the entries taking part. As
+        ``jax.nn.softmax``, the others give 0 with zero gradient, and a slice with no entry
+        taking part gives zeros.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
       x's shape and dtype; max, exp and sum in float32.
 
     Residuals: the output y only (the gradient needs nothing else, and y is often kept
-    alive by the caller anyway). Backward: ``dx = y * (dy - sum(dy * y))`` along ``axis``;
-    the kernel (``softmax_bwd``) works on the last axis, other axes are moved there.
+    alive by the caller anyway). Backward: ``dx = y * (dy - sum(dy * y))`` over the softmax
+    entries; the kernel (``softmax_bwd``) works on the last axis: one other axis is moved
+    there, several are moved there and flattened into one (a transpose unless they are
+    already the trailing axes). ``where`` becomes ``-inf`` in x's masked entries first.
 
     Raises:
-      TypeError: x not floating; axis not an int.
-      ValueError: x of rank 0; axis out of range; unknown implementation.
+      TypeError: x not floating; axis not an int, a tuple of ints or None; where not boolean.
+      ValueError: x of rank 0; an axis out of range or repeated; where not broadcastable
+        to x; unknown implementation.
 
     Source: Bridle, "Probabilistic Interpretation of Feedforward Classification Network
     Outputs" (1990); the backward is the softmax Jacobian ``diag(y) - y y^T`` applied to dy.
@@ -320,13 +393,36 @@ def softmax(x, *, axis=-1, implementation=None):
     op = "softmax"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, min_ndim=1)
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"jaxbwd.softmax: axis must be a Python int, got {axis!r}")
-    axis = int(axis)
-    if not -x.ndim <= axis < x.ndim:
-        raise ValueError(
-            f"jaxbwd.softmax: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"
-        )
-    impl, axis = B.impl(implementation, op, x), axis % x.ndim
+    if axis is None:
+        axes = tuple(range(x.ndim))
+    elif isinstance(axis, (tuple, list)):
+        axes = tuple(_axis(op, x, a) for a in axis)
+        if len(set(axes)) != len(axes) or not axes:
+            raise ValueError(f"jaxbwd.softmax: axis must name distinct axes, got {axis!r}")
+    else:
+        axes = (_axis(op, x, axis),)
+    impl = B.impl(implementation, op, x)
+    if where is not None:
+        B.check_array(op, "where", where)
+        if where.dtype != jnp.bool_:
+            raise TypeError(f"jaxbwd.softmax: where must be a boolean array, got {where.dtype}")
+        try:
+            mask = jnp.broadcast_to(where, x.shape)
+        except ValueError:
+            raise ValueError(f"jaxbwd.softmax: where must broadcast to x's shape {tuple(x.shape)}, "
+                             f"got {tuple(where.shape)}") from None
+        x = jnp.where(mask, x, jnp.asarray(-jnp.inf, x.dtype))
+    if len(axes) == 1:
+        return _softmax_last(x, axes[0], impl)
+    axes = tuple(sorted(axes))
+    rest = tuple(i for i in range(x.ndim) if i not in axes)
+    perm = rest + axes
+    xt = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+    lead = xt.shape[:len(rest)]
+    y = _softmax_last(xt.reshape(lead + (-1,)), len(rest), impl).reshape(xt.shape)
+    return y if perm == tuple(range(x.ndim)) else jnp.transpose(y, np.argsort(perm))
+
+
+def _softmax_last(x, axis, impl):
     sig = "".join("A" if i == axis else "abcdefghijklmnopqrstuvwxyz"[i] for i in range(x.ndim))
     return S.partitioned(f"{sig}->{sig}", lambda x: _softmax(x, axis, impl), x)

@@ -257,54 +257,240 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     return qseg, kseg, float(scale), bool(is_causal), window, softcap
 
 
-def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=None,
-                          sliding_window=None, logit_softcap=None, implementation=None):
-    """Multi-head (and grouped-query) scaled dot-product attention, flash style.
+def _expand4(name, x):
+    """jax.nn's rule for bias and mask: fewer than 4 dims get leading unit dims."""
+    B.check_array(OP, name, x)
+    if x.ndim > 4:
+        raise ValueError(f"jaxbwd.{OP}: {name} must have at most 4 dims ([B, N, T, S]), got shape {tuple(x.shape)}")
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
-    ``out = softmax(mask(softcap(scale * q k^T))) v`` per head, never building the T x S
-    matrix on the Pallas path, and only [B, N, T, 512] blocks of it on the XLA path.
 
-    Args:
-      q: [B, T, N, H] float32, bfloat16 or float16 (float64 on the XLA path).
-      k, v: [B, S, K, H], q's dtype, with N % K == 0. K < N is grouped-query attention
-        (query head n uses kv head n // (N // K)); K == 1 is multi-query attention.
+def _check_dense(name, x, shape):
+    try:
+        if jnp.broadcast_shapes(x.shape, shape) == tuple(shape):
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"jaxbwd.{OP}: {name} must broadcast to [B, N, T, S] = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _check_lengths(name, x, Bsz):
+    if x is None:
+        return None
+    B.check_int(OP, name, x)
+    B.check_shape(OP, name, x, (Bsz,), what="([B])")
+    return x.astype(jnp.int32)
+
+
+def _local_window(local_window_size):
+    if local_window_size is None:
+        return None
+    w = local_window_size
+    if isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)):
+        w = (w, w)
+    ok = (isinstance(w, (tuple, list)) and len(w) == 2
+          and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0 for v in w))
+    if not ok:
+        raise ValueError(f"jaxbwd.{OP}: local_window_size must be a non-negative int or a pair "
+                         f"(left, right) of them, got {local_window_size!r}")
+    return int(w[0]), int(w[1])
+
+
+def _mean_v_rows(out, v, empty):
+    """Rows in ``empty`` ([B, T, N] or broadcastable) get mean(v) over all keys, as jax.nn
+    (its masked logits are a large finite negative, so such a row's softmax is uniform)."""
+    N, K = out.shape[2], v.shape[2]
+    mean_v = jnp.repeat(jnp.mean(v.astype(B.acc_dtype(v)), axis=1), N // K, axis=1)  # [B, N, H]
+    return jnp.where(empty[..., None], mean_v[:, None].astype(out.dtype), out)
+
+
+def _dense_attention(q, k, v, bias, mask, jmask_fn, qseg, kseg, cfg: _Cfg):
+    """The documented XLA path for dense ``bias``/``mask`` (and asymmetric non-causal local
+    windows): [B, N, T, S] logits in float32, differentiated by XLA's autodiff (bias too).
+    Returns the output and the [B, T, N] rows jax.nn's masks leave without a key."""
+    Bsz, T, N, H = q.shape
+    Skv, K = k.shape[1], k.shape[2]
+    acc = B.acc_dtype(q)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(Bsz, T, K, N // K, H), k,
+                        preferred_element_type=acc).reshape(Bsz, N, T, Skv) * cfg.scale
+    if cfg.softcap is not None:
+        logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    r, c = jnp.arange(T)[:, None], jnp.arange(Skv)[None, :]
+    jm = jmask_fn(r, c)  # [B or 1, 1, T, S]: jax.nn's positional and length masks
+    if mask is not None:
+        jm = jm & mask
+    keep = jm
+    if cfg.window is not None:
+        keep = keep & kernels.position_mask(jnp.ones((T, Skv), bool), r, c, cfg.causal, cfg.window)
+    if qseg is not None:
+        keep = keep & (qseg[:, :, None] == kseg[:, None, :])[:, None]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0)))
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    p = (e / jnp.where(s == 0, 1.0, s)).reshape(Bsz, K, N // K, T, Skv)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(acc)).reshape(Bsz, T, N, H).astype(q.dtype)
+    empty = ~jnp.any(jnp.broadcast_to(jm, (Bsz, N, T, Skv)), axis=-1)  # [B, N, T]
+    return out, jnp.swapaxes(empty, 1, 2)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          segment_ids=None, sliding_window=None, logit_softcap=None, implementation=None):
+    """Multi-head (and grouped-query) scaled dot-product attention, flash style, with
+    ``jax.nn.dot_product_attention``'s signature and meaning plus three extras.
+
+    ``out = softmax(mask(softcap(scale * q k^T) + bias)) v`` per head, never building the
+    T x S matrix on the kernel path (Pallas, or the blockwise XLA scan), which covers
+    everything but dense ``bias``/``mask``.
+
+    Args (jax.nn's):
+      query: [B, T, N, H] or unbatched [T, N, H]; float32, bfloat16 or float16 (float64 on
+        the XLA path).
+      key, value: [B, S, K, H] (or [S, K, H]), query's dtype, with N % K == 0. K < N is
+        grouped-query attention (query head n uses kv head n // (N // K)); K == 1 is MQA.
+      bias: optional float array broadcastable to [B, N, T, S] (fewer dims get leading unit
+        dims, as jax.nn), added to the logits (after the softcap). Differentiable.
+      mask: optional boolean array broadcastable to [B, N, T, S]; True takes part.
       scale: static float multiplying the logits; default 1 / sqrt(H).
-      is_causal: query i sees key j only when j <= i (top-left aligned, as
-        ``jax.nn.dot_product_attention``; with T != S row i is still compared to column i).
-      segment_ids: int [B, T] (T == S) or a pair (q_ids [B, T], kv_ids [B, S]): a query
-        sees only keys with its own id (sequence packing).
+      is_causal: query i sees key j only when j <= i (top-left aligned, as jax.nn; with
+        T != S row i is still compared to column i).
+      query_seq_lengths: optional int [B]: rows i >= length give 0 (and no gradient), as jax.nn.
+      key_value_seq_lengths: optional int [B]: keys j >= length take no part.
+      local_window_size: optional int w or pair (left, right) of non-negative ints: query i
+        sees keys j with i - left <= j <= i + right (w means (w, w)), as jax.nn.
+      A query row that jax.nn's arguments (is_causal, mask, local_window_size,
+      key_value_seq_lengths) leave without any key gives mean(value) over all S keys, as
+      jax.nn does (its softmax over a fully masked row is uniform).
+
+    Args (jaxbwd's extras; conventions differ from jax.nn's, as stated):
+      segment_ids: int [B, T] (T == S) or a pair (q_ids [B, T], kv_ids [B, S]) ([T]/[S]
+        when unbatched): a query sees only keys with its own id (sequence packing).
       sliding_window: static positive int w: query i sees keys j with i - w < j (and
-        j < i + w when not causal), i.e. (i - w, i] when causal.
-      logit_softcap: static positive float c: logits -> c * tanh(logits / c) before masking
-        (Gemma 2).
+        j < i + w when not causal). ``sliding_window=w`` is ``local_window_size=w - 1``
+        (with ``is_causal``: ``(w - 1, 0)``); give one of the two.
+      logit_softcap: static positive float c: logits -> c * tanh(logits / c) before bias
+        and masking (Gemma 2).
+      A row that only these extras leave without a key gives 0 and zero gradients.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
-    Returns:
-      [B, T, N, H] in q's dtype. A query row that sees no key gives 0 and zero gradients.
-      Softmax statistics and accumulators are float32.
+    Paths: without ``bias``/``mask`` the flash kernels (or the blockwise XLA scan) run and
+    handle is_causal, local windows (``(l, r)`` with ``is_causal``, ``r == 0`` or ``l == r``:
+    a causal or symmetric window in-kernel), segment ids, softcap and both seq lengths
+    (key lengths become key segment ids in-kernel; query lengths zero rows after).
+    With a dense ``bias`` or ``mask``, or a non-causal window with ``0 < r != l``, every
+    implementation runs the documented dense XLA path: [B, N, T, S] float32 logits and
+    XLA's autodiff (O(T*S) memory, as jax.nn's own XLA implementation).
 
-    Residuals: q, k, v, out (aliases of live arrays), the logsumexp [B, N, T] float32 and
-    the segment ids: O(B*N*T) beyond the inputs, no T x S array.
+    Returns:
+      query's shape and dtype. Softmax statistics and accumulators are float32.
+
+    Residuals (kernel path): q, k, v, out (aliases of live arrays), the logsumexp [B, N, T]
+    float32 and the segment ids: O(B*N*T) beyond the inputs, no T x S array.
 
     Raises:
-      TypeError: non-floating or mixed q/k/v dtypes, non-integer segment_ids, traced or
-        non-numeric scale/sliding_window/logit_softcap, non-bool is_causal.
-      ValueError: q/k/v not rank 4, k/v batch or head dim (H) different from q's, v's shape
-        not k's, N % K != 0, segment_ids of the wrong shape, sliding_window <= 0,
+      TypeError: non-floating or mixed q/k/v dtypes, non-integer segment_ids or seq lengths,
+        non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap,
+        non-bool is_causal.
+      ValueError: q/k/v not rank 4 (or all rank 3), k/v batch or head dim (H) different
+        from q's, v's shape not k's, N % K != 0, segment_ids or seq lengths of the wrong
+        shape, bias/mask not broadcastable to [B, N, T, S], sliding_window <= 0, a negative
+        or malformed local_window_size, both local_window_size and sliding_window,
         logit_softcap <= 0, head dim > 256 on the Pallas path, unknown implementation.
 
     Source: Dao, "FlashAttention-2" (2023), Algorithm 1 (forward with logsumexp) and
     Algorithm 2 (backward recomputing P from the logsumexp); Gemma Team, "Gemma 2" (2024) for
-    the logit softcap, whose derivative 1 - tanh^2 the backward applies.
+    the logit softcap, whose derivative 1 - tanh^2 the backward applies; jax.nn's
+    ``dot_product_attention`` for the meaning of its arguments.
     """
+    q, k, v = query, key, value
+    if all(getattr(a, "ndim", None) == 3 for a in (q, k, v)):
+        seg = segment_ids
+        if seg is not None:
+            seg = tuple(s[None] for s in seg) if isinstance(seg, (tuple, list)) else seg[None]
+        out = dot_product_attention(
+            q[None], k[None], v[None], bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, segment_ids=seg, sliding_window=sliding_window,
+            logit_softcap=logit_softcap, implementation=implementation)
+        return out[0]
+    lr = _local_window(local_window_size)
+    if lr is not None and sliding_window is not None:
+        raise ValueError(f"jaxbwd.{OP}: give local_window_size (jax.nn's meaning) or sliding_window, not both; "
+                         f"got {local_window_size!r} and {sliding_window!r}")
     qseg, kseg, scale, causal, window, softcap = _check(
         q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     )
+    Bsz, T, N, _ = q.shape
+    Skv = k.shape[1]
+    qlen = _check_lengths("query_seq_lengths", query_seq_lengths, Bsz)
+    kvlen = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, Bsz)
+    dense = bias is not None or mask is not None
+    if bias is not None:
+        bias = _expand4("bias", bias)
+        B.check_float(OP, "bias", bias)
+        _check_dense("bias", bias, (Bsz, N, T, Skv))
+    if mask is not None:
+        mask = _expand4("mask", mask)
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"jaxbwd.{OP}: mask must be a boolean array (True takes part), got {mask.dtype}")
+        _check_dense("mask", mask, (Bsz, N, T, Skv))
+    kcausal = causal
+    if lr is not None:
+        left, right = lr
+        if causal or right == 0:
+            kcausal, window = True, left + 1
+        elif left == right:
+            window = left + 1
+        else:
+            dense = True
+
+    def jmask(r, c):  # jax.nn's positional and key-length masks, [B or 1, 1, T, S]
+        m = jnp.ones((T, Skv), bool)
+        if causal:
+            m = m & (c <= r)
+        if lr is not None:
+            m = m & (r <= c + lr[0]) & (r >= c - lr[1])
+        m = m[None, None]
+        if kvlen is not None:
+            m = m & (c < kvlen[:, None, None, None])
+        return m
+
     impl = B.impl(implementation, OP, q, k)
-    if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
-        raise ValueError(
-            f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas kernels, "
-            f"got H={q.shape[-1]} (use implementation='xla')"
-        )
-    cfg = _Cfg(scale, causal, window, softcap, qseg is not None, impl)
-    return S.partitioned("bTnH,bSnH,bSnH,bT,bS->bTnH", lambda *a: _attention(*a, cfg), q, k, v, qseg, kseg)
+    if dense:
+        out, empty = _dense_attention(q, k, v, bias, mask, jmask, qseg, kseg,
+                                      _Cfg(scale, causal, window if lr is None else None, softcap, False, impl))
+    else:
+        if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
+            raise ValueError(
+                f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas kernels, "
+                f"got H={q.shape[-1]} (use implementation='xla')"
+            )
+        if kvlen is not None:
+            # Keys past the length get an id no query holds: masked in-kernel, no dense mask.
+            qseg = jnp.zeros((Bsz, T), jnp.int32) if qseg is None else qseg
+            kseg = jnp.zeros((Bsz, Skv), jnp.int32) if kseg is None else kseg
+            pad_id = jnp.min(qseg, axis=1, keepdims=True) - 1
+            kseg = jnp.where(jnp.arange(Skv)[None] < kvlen[:, None], kseg, pad_id)
+        cfg = _Cfg(scale, kcausal, window, softcap, qseg is not None, impl)
+        out = S.partitioned("bTnH,bSnH,bSnH,bT,bS->bTnH", lambda *a: _attention(*a, cfg), q, k, v, qseg, kseg)
+        empty = None
+        if lr is not None or kvlen is not None:
+            # Row i's keys under jax.nn's masks form one interval [lo, hi]; empty when lo > hi.
+            t = jnp.arange(T)[None]
+            lo = jnp.maximum(t - lr[0], 0) if lr is not None else jnp.zeros_like(t)
+            hi = jnp.full((1, T), Skv - 1)
+            if causal:
+                hi = jnp.minimum(hi, t)
+            if lr is not None:
+                hi = jnp.minimum(hi, t + lr[1])
+            if kvlen is not None:
+                hi = jnp.minimum(hi, kvlen[:, None] - 1)
+            empty = jnp.broadcast_to((lo > hi)[:, :, None], (Bsz, T, N))
+    if empty is not None:
+        out = _mean_v_rows(out, v, empty)
+    if qlen is not None:
+        out = jnp.where((jnp.arange(T)[None] < qlen[:, None])[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return out

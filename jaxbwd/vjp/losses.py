@@ -153,7 +153,49 @@ def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean", implementation=None):
+def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing):
+    """optax's ``axis``/``where`` conventions folded into a last-axis problem: class axes
+    moved last and flattened; masked classes become -inf logits, rows without any class
+    get the ignore_index label."""
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    if not axes or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+        raise TypeError(f"jaxbwd.{op}: axis must be an int or a tuple of ints, got {axis!r}")
+    if not all(-logits.ndim <= a < logits.ndim for a in axes):
+        raise ValueError(f"jaxbwd.{op}: axis must be in [{-logits.ndim}, {logits.ndim}) for logits of shape "
+                         f"{tuple(logits.shape)}, got {axis!r}")
+    axes = tuple(int(a) % logits.ndim for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"jaxbwd.{op}: axis must name distinct axes, got {axis!r}")
+    rest = tuple(i for i in range(logits.ndim) if i not in axes)
+    perm = rest + axes
+
+    def last(x):
+        x = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
+        return x.reshape(x.shape[:len(rest)] + (-1,))
+
+    if where is not None:
+        B.check_array(op, "where", where)
+        if where.dtype != jnp.bool_:
+            raise TypeError(f"jaxbwd.{op}: where must be a boolean array, got {where.dtype}")
+        if B.check_static_number(op, "label_smoothing", label_smoothing) != 0.0:
+            raise ValueError(f"jaxbwd.{op}: where needs label_smoothing == 0, got {label_smoothing!r}")
+        if where.ndim != logits.ndim:
+            where = jnp.expand_dims(where, axes)
+        try:
+            where = jnp.broadcast_to(where, logits.shape)
+        except ValueError:
+            raise ValueError(f"jaxbwd.{op}: where must broadcast to logits' shape {tuple(logits.shape)}, "
+                             f"got {tuple(where.shape)}") from None
+        logits = jnp.where(where, logits, jnp.asarray(-jnp.inf, logits.dtype))
+    logits = last(logits)
+    if where is not None:
+        B.check_int(op, "labels", labels)
+        labels = jnp.where(jnp.any(last(where), axis=-1), labels, jnp.asarray(ignore_index, labels.dtype))
+    return logits, labels
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
+                  axis=-1, where=None, implementation=None):
     """Softmax cross-entropy of ``logits`` against integer ``labels``, with label smoothing and z-loss.
 
     Per row, with ``lse = logsumexp(logits)``, ``eps = label_smoothing`` and ``V`` classes:
@@ -178,6 +220,16 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
       z_loss: static float >= 0.
       reduction: ``"mean"`` (over non-ignored rows; 0 when every row is ignored),
         ``"sum"`` or ``"none"`` (per-row losses of shape [...]).
+      axis: the class axis, an int or a tuple of ints (their joint entries are the
+        classes, flattened in axis order; labels index that flattening), as
+        ``optax.softmax_cross_entropy_with_integer_labels``; labels have logits' shape
+        without those axes. Other than -1, the classes are moved last first (a transpose).
+      where: ``None`` or a boolean mask of logits' shape (or without the class axes: one
+        flag per row), as optax's: masked-out classes leave the normaliser (they become
+        -inf logits) and a row with no class left gives loss 0 and counts as ignored.
+        Differs from optax in one case: a label on a masked-out class gives +inf (optax
+        returns the finite ``lse - logit[label]`` for a class outside its own normaliser).
+        Requires ``label_smoothing == 0`` (smoothing would put mass on masked classes).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -206,6 +258,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     op = "cross_entropy"
     B.check_float(op, "logits", logits)
     B.check_ndim(op, "logits", logits, min_ndim=1, what="([..., V])")
+    if axis != -1 or where is not None:
+        logits, labels = _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing)
     B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
     B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, logits.shape[:-1], what="(logits.shape[:-1])")

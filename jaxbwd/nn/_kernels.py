@@ -1,0 +1,161 @@
+"""What the linen and NNX modules share: which flax configurations jaxbwd's ops cover, and
+the computation through those ops once flax's dtype promotion has been applied.
+
+Each function here takes arrays already promoted the way the calling flax module promotes
+them (its ``promote_dtype``), so the result has flax's dtype. A configuration these
+functions do not cover is recognised by the ``*_covered`` predicates, and the module then
+runs flax's own ``__call__`` instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax.linen.linear import canonicalize_padding
+
+import jaxbwd
+
+
+def _axes(ndim: int, axes) -> tuple:
+    axes = axes if isinstance(axes, Sequence) else (axes,)
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+def last_axis_only(ndim: int, *axes) -> bool:
+    """True when each of ``axes`` (flax's reduction/feature axes) is exactly the last axis."""
+    return ndim >= 1 and all(_axes(ndim, a) == (ndim - 1,) for a in axes)
+
+
+def compute_dtype(out_dtype, *arrays):
+    """The dtype the op runs in: wide enough for the inputs and for the requested result.
+
+    flax computes normalisation statistics in at least float32 and casts the result last, so
+    running the op in the wider of (inputs, result) and casting afterwards matches it.
+    """
+    dt = jnp.result_type(*[a for a in arrays if a is not None])
+    return jnp.promote_types(dt, out_dtype) if out_dtype is not None else dt
+
+
+def rms_norm(x, scale, *, eps, weight_offset, out_dtype, impl):
+    """x [..., D] normalised over D; scale [D] or None (flax's ``use_scale=False``)."""
+    ct = compute_dtype(out_dtype, x, scale)
+    w = jnp.ones((x.shape[-1],), ct) if scale is None else scale.astype(ct)
+    y = jaxbwd.rms_norm(x.astype(ct), w, eps=eps, weight_offset=weight_offset, implementation=impl)
+    return y.astype(out_dtype if out_dtype is not None else ct)
+
+
+def layer_norm(x, scale, bias, *, eps, out_dtype, impl):
+    """x [..., D] normalised over D; scale/bias [D] or None (``use_scale``/``use_bias`` off)."""
+    ct = compute_dtype(out_dtype, x, scale, bias)
+    d = x.shape[-1]
+    w = jnp.ones((d,), ct) if scale is None else scale.astype(ct)
+    b = jnp.zeros((d,), ct) if bias is None else bias.astype(ct)
+    y = jaxbwd.layer_norm(x.astype(ct), w, b, eps=eps, implementation=impl)
+    return y.astype(out_dtype if out_dtype is not None else ct)
+
+
+def group_norm_covered(x, reduction_axes, num_groups) -> bool:
+    """flax's default reduction (all axes but the first, batch one) with a valid group count."""
+    if x.ndim < 2 or not isinstance(num_groups, int) or num_groups <= 0 or x.shape[-1] % num_groups:
+        return False
+    default = tuple(range(1, x.ndim))
+    return reduction_axes is None or _axes(x.ndim, reduction_axes) == default
+
+
+def group_norm(x, scale, bias, *, num_groups, eps, activation, out_dtype, impl):
+    """x [N, ..., C], groups of C / num_groups consecutive channels, stats over (..., group)."""
+    ct = compute_dtype(out_dtype, x, scale, bias)
+    c = x.shape[-1]
+    w = jnp.ones((c,), ct) if scale is None else scale.astype(ct)
+    b = jnp.zeros((c,), ct) if bias is None else bias.astype(ct)
+    y = jaxbwd.group_norm(x.astype(ct), w, b, num_groups=num_groups, eps=eps, activation=activation,
+                          implementation=impl)
+    return y.astype(out_dtype if out_dtype is not None else ct)
+
+
+def dense(x, kernel, bias, impl):
+    """x [..., K] @ kernel [K, M] (+ bias [M]); arrays already share flax's promoted dtype."""
+    y = jaxbwd.matmul(x, kernel, implementation=impl)
+    return y if bias is None else jaxbwd.bias_add(y, bias, implementation=impl)
+
+
+def embed_lookup(ids, table, impl):
+    """``jnp.take(table, ids, axis=0)`` as flax's Embed does it.
+
+    jnp.take wraps ids in [-V, 0) to the end of the table and fills rows of ids outside
+    [-V, V) with NaN; :func:`jaxbwd.embed` gives zero rows for those, so both conventions
+    are restored here (one select over the output, fused by XLA).
+    """
+    V = table.shape[0]
+    wrapped = jnp.where(ids < 0, ids + V, ids)
+    y = jaxbwd.embed(wrapped, table, implementation=impl)
+    if not jnp.issubdtype(table.dtype, jnp.inexact):
+        return y
+    ok = (wrapped >= 0) & (wrapped < V)
+    return jnp.where(ok[..., None], y, jnp.asarray(jnp.nan, y.dtype))
+
+
+def attend(query, table, impl):
+    """query [..., D] @ table.T -> [..., V] (tied output projection)."""
+    return jaxbwd.matmul(query, table.T, implementation=impl)
+
+
+def _tuple(v, n):
+    if v is None:
+        v = 1
+    return (v,) * n if isinstance(v, int) else tuple(v)
+
+
+def conv_covered(kernel_size: Sequence[int], padding, input_dilation) -> bool:
+    """1-D and 2-D kernels without input dilation, with any of flax's padding spellings that
+    reduce to explicit zero padding (ints, pairs, SAME, VALID) or to a pad before a VALID
+    convolution (CIRCULAR, REFLECT, CAUSAL)."""
+    n = len(kernel_size)
+    if n not in (1, 2) or any(d != 1 for d in _tuple(input_dilation, n)):
+        return False
+    try:
+        pad = canonicalize_padding(padding, n)
+    except ValueError:
+        return False  # flax's own call raises its message
+    if isinstance(pad, str):  # flax matches CIRCULAR/REFLECT/CAUSAL case-sensitively, lax SAME/VALID not
+        return pad.upper() in ("SAME", "VALID") or pad in ("CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
+    return all(isinstance(v, int) and v >= 0 for p in pad for v in p)  # conv2d pads with zeros only
+
+
+def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, feature_group_count, impl):
+    """flax's ``Conv`` (channels last, any batch dims) on :func:`jaxbwd.conv2d`.
+
+    x [*batch, *spatial, Cin], kernel [*kernel_size, Cin/G, F] (promoted), bias [F] or None.
+    A 1-D convolution runs as a 2-D one over a height of 1. CIRCULAR/REFLECT/CAUSAL pad the
+    input first and convolve VALID, as flax does.
+    """
+    n = len(kernel_size)
+    nb = x.ndim - (n + 1)
+    batch_shape = x.shape[:nb]
+    x = x.reshape((-1,) + x.shape[nb:]) if nb != 1 else x
+    strides, dil = _tuple(strides, n), _tuple(kernel_dilation, n)
+    pad = canonicalize_padding(padding, n)
+    if isinstance(pad, str):
+        eff = [(k - 1) * d + 1 for k, d in zip(kernel_size, dil)]
+        if pad in ("CIRCULAR", "REFLECT"):
+            widths = [(0, 0)] + [((e - 1) // 2, e // 2) for e in eff] + [(0, 0)]
+            x = jnp.pad(x, widths, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[pad])
+            pad = [(0, 0)] * n
+        elif pad == "CAUSAL":
+            x = jnp.pad(x, [(0, 0), (eff[0] - 1, 0), (0, 0)])
+            pad = [(0, 0)]
+        else:
+            pad = jax.lax.padtype_to_pads(x.shape[1:-1], eff, strides, pad.upper())
+    pad = [tuple(int(v) for v in p) for p in pad]
+    if n == 1:
+        x, kernel = x[:, None], kernel[None]
+        strides, dil, pad = (1,) + strides, (1,) + dil, [(0, 0)] + pad
+    y = jaxbwd.conv2d(x, kernel, stride=tuple(strides), padding=tuple(pad), dilation=tuple(dil),
+                      groups=feature_group_count, implementation=impl)
+    if n == 1:
+        y = y[:, 0]
+    if bias is not None:
+        y = jaxbwd.bias_add(y, bias, implementation=impl)
+    return y.reshape(batch_shape + y.shape[1:]) if nb != 1 else y

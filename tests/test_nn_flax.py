@@ -1,0 +1,539 @@
+"""jaxbwd.nn in place of flax's modules: flax's constructor arguments, outputs, grads, dtypes.
+
+The cases follow the ones flax checks for its own normalization, linear, embed and conv
+modules (masks, reduction axes, use_scale/use_bias off, group sizes, 1-D/2-D/3-D kernels,
+circular/reflect/causal padding, grouped and masked kernels, unbatched and multi-batch
+inputs, mixed precision), each run with jaxbwd's module and compared to flax's module of
+the same name and arguments, for both implementations (Pallas kernels in interpret mode).
+Where the module's docstring says a configuration takes the kernel path, the test also
+checks that jaxbwd's op (a custom_vjp) is in the traced computation.
+"""
+from __future__ import annotations
+
+import chex
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxbwd.nn as jnn
+import jaxbwd.nn.nnx as jnnx
+
+IMPLS = ["xla", "pallas"]
+
+
+def _rand(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
+
+
+def _uses_jaxbwd(fn, *args) -> bool:
+    return "custom_vjp_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+def _tol(*trees):
+    """bf16/f16 tolerances when any leaf of ``trees`` is 16-bit (its rounding shows in grads too)."""
+    leaves = [l for t in trees for l in jax.tree_util.tree_leaves(t) if hasattr(l, "dtype")]
+    narrow = any(jnp.issubdtype(l.dtype, jnp.floating) and jnp.dtype(l.dtype).itemsize <= 2 for l in leaves)
+    return dict(atol=2e-2, rtol=2e-2) if narrow else dict(atol=1e-5, rtol=1e-5)
+
+
+def _linen_case(name, kwargs, x, kernel, impl, call_kwargs=None, method=None):
+    """jaxbwd.nn.<name>(**kwargs) against flax.linen.<name>(**kwargs): params, value, dtype, grads."""
+    call_kwargs = call_kwargs or {}
+    ours = getattr(jnn, name)(**kwargs, implementation=impl)
+    theirs = getattr(fnn, name)(**kwargs)
+    params = theirs.init(jax.random.PRNGKey(1), x, **call_kwargs)
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(1), x, **call_kwargs), params)
+
+    def f(mod, p, x):
+        return mod.apply(p, x, **call_kwargs) if method is None else mod.apply(p, x, method=method)
+
+    y, want = f(ours, params, x), f(theirs, params, x)
+    assert y.dtype == want.dtype and y.shape == want.shape
+    tol = _tol(want, x, params)
+    chex.assert_trees_all_close(y, want, **tol)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        loss = lambda mod: lambda p, x: jnp.sum(jnp.sin(f(mod, p, x).astype(jnp.float32)))
+        g, gw = jax.grad(loss(ours), argnums=(0, 1))(params, x), jax.grad(loss(theirs), argnums=(0, 1))(params, x)
+    else:
+        loss = lambda mod: lambda p: jnp.sum(jnp.sin(f(mod, p, x).astype(jnp.float32)))
+        g, gw = jax.grad(loss(ours))(params), jax.grad(loss(theirs))(params)
+    chex.assert_trees_all_close(g, gw, **tol)
+    assert _uses_jaxbwd(lambda p, x: f(ours, p, x), params, x) == kernel, "kernel path as documented"
+    return y
+
+
+# ----------------------------------------------------------------------------- norms
+NORM_CASES = [
+    # name, kwargs, input shape, takes the kernel path
+    ("RMSNorm", {}, (2, 3, 8), True),
+    ("RMSNorm", {"use_scale": False, "epsilon": 1e-5}, (2, 3, 4), True),
+    ("RMSNorm", {"use_scale": False, "epsilon": 1e-5, "reduction_axes": 1}, (2, 3, 4), False),
+    ("RMSNorm", {"reduction_axes": (1, 2)}, (2, 3, 4), False),
+    ("RMSNorm", {"feature_axes": -2, "reduction_axes": -2}, (2, 5, 4), False),
+    ("RMSNorm", {"force_float32_reductions": False}, (2, 3, 8), False),
+    ("RMSNorm", {"scale_init": fnn.initializers.uniform()}, (7, 8), True),
+    ("LayerNorm", {}, (2, 3, 8), True),
+    ("LayerNorm", {"use_bias": False, "use_scale": False, "epsilon": 1e-5}, (2, 3, 4), True),
+    ("LayerNorm", {"use_bias": False}, (2, 3, 4), True),
+    ("LayerNorm", {"use_fast_variance": False}, (2, 3, 4), True),
+    ("LayerNorm", {"reduction_axes": 1, "feature_axes": -1}, (2, 3, 4), False),
+    ("LayerNorm", {"reduction_axes": (1, 2)}, (2, 3, 4), False),
+    ("LayerNorm", {"reduction_axes": (0, 1, 2)}, (2, 3, 4), False),
+    ("LayerNorm", {"reduction_axes": -2, "feature_axes": (1, 3),
+                   "bias_init": fnn.initializers.uniform(), "scale_init": fnn.initializers.uniform()}, (2, 3, 4, 5), False),
+    ("GroupNorm", {"num_groups": 2, "use_bias": False, "use_scale": False, "epsilon": 1e-5}, (2, 5, 4, 4, 32), True),
+    ("GroupNorm", {"num_groups": 4}, (2, 3, 3, 8), True),
+    ("GroupNorm", {"num_groups": None, "group_size": 1,
+                   "bias_init": fnn.initializers.uniform(), "scale_init": fnn.initializers.uniform()}, (2, 3, 4, 5), True),
+    ("GroupNorm", {"num_groups": 1}, (2, 3, 4, 5), True),
+    ("GroupNorm", {"num_groups": 2, "reduction_axes": (0, 1, 3, 4)}, (2, 5, 4, 4, 32), False),
+    ("GroupNorm", {"num_groups": 2, "reduction_axes": (-3, -2, -1)}, (3, 4, 32), False),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,kwargs,shape,kernel", NORM_CASES,
+                         ids=[f"{n}-{i}" for i, (n, *_r) in enumerate(NORM_CASES)])
+def test_linen_norms_match_flax(name, kwargs, shape, kernel, impl):
+    _linen_case(name, kwargs, _rand(shape), kernel, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["RMSNorm", "LayerNorm", "GroupNorm"])
+@pytest.mark.parametrize("x_dtype,dtype,param_dtype", [
+    (jnp.bfloat16, None, jnp.float32),      # flax promotes to float32
+    (jnp.bfloat16, None, jnp.bfloat16),
+    (jnp.float32, jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.bfloat16),
+])
+def test_linen_norm_dtype_promotion(name, x_dtype, dtype, param_dtype, impl):
+    kw = {"dtype": dtype, "param_dtype": param_dtype}
+    if name == "GroupNorm":
+        kw["num_groups"] = 2
+    _linen_case(name, kw, _rand((2, 3, 8), dtype=x_dtype), True, impl)
+
+
+@pytest.mark.parametrize("name,extra", [("LayerNorm", 2), ("RMSNorm", 1), ("GroupNorm", 2)])
+def test_linen_norm_masks_take_flax_path(name, extra):
+    # A masked normalisation: statistics over the unmasked entries only.
+    x = _rand((3, 4, 14))
+    m = jax.random.bernoulli(jax.random.PRNGKey(5), 0.5, x.shape).at[..., :extra].set(True)
+    kw = {"num_groups": 7, "use_bias": False, "use_scale": False} if name == "GroupNorm" else {}
+    y = _linen_case(name, kw, jnp.where(m, x, jnp.nan), False, "xla", call_kwargs={"mask": m})
+    if name == "LayerNorm":
+        np.testing.assert_allclose(y.mean(-1, where=m), 0, atol=1e-4)
+        np.testing.assert_allclose(y.var(-1, where=m), 1, atol=1e-4)
+    elif name == "RMSNorm":
+        np.testing.assert_allclose(jnp.square(y).mean(-1, where=m), 1, atol=1e-4)
+
+
+def test_linen_layer_norm_large_offset_two_pass():
+    # Rows shifted by 1e6: the kernel's two-pass variance gives the normalised rows.
+    x = _rand((2, 3, 4)) + 1e6
+    y = jnn.LayerNorm(use_bias=False, use_scale=False, epsilon=1e-5, use_fast_variance=False).init_with_output(
+        jax.random.PRNGKey(0), x)[0]
+    want = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, want, atol=1e-3, rtol=1e-3)
+
+
+def test_linen_group_norm_closed_form():
+    x = _rand((2, 5, 4, 4, 32))
+    y = jnn.GroupNorm(num_groups=2, use_bias=False, use_scale=False, epsilon=1e-5).init_with_output(
+        jax.random.PRNGKey(0), x)[0]
+    xg = x.reshape(2, 5, 4, 4, 2, 16)
+    want = (xg - xg.mean((1, 2, 3, 5), keepdims=True)) * jax.lax.rsqrt(xg.var((1, 2, 3, 5), keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, want.reshape(x.shape), atol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_groups": 3}, {"num_groups": 3, "reduction_axes": (0, 1, 2, 3)},
+                                    {"num_groups": 2, "group_size": 4}])
+def test_linen_group_norm_raises_as_flax(kwargs):
+    with pytest.raises(ValueError):
+        jnn.GroupNorm(**kwargs).init(jax.random.PRNGKey(0), _rand((2, 5, 4, 4, 32)))
+
+
+def test_linen_group_norm_activation_on_both_paths():
+    x = _rand((2, 3, 4, 8))
+    for kw in ({"num_groups": 2}, {"num_groups": 2, "reduction_axes": (0, 1, 2, 3)}):
+        p = fnn.GroupNorm(**kw).init(jax.random.PRNGKey(1), x)
+        y = jnn.GroupNorm(**kw, activation="silu").apply(p, x)
+        chex.assert_trees_all_close(y, jax.nn.silu(fnn.GroupNorm(**kw).apply(p, x)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        jnn.GroupNorm(num_groups=2, activation="relu").init(jax.random.PRNGKey(1), x)
+
+
+def test_linen_positional_order_is_flax():
+    # flax's positional order: GroupNorm(num_groups, group_size, epsilon, ...), Conv(features, kernel_size, strides,
+    # padding, ...), Dense(features, use_bias, dtype, ...), LayerNorm(epsilon, dtype, ...).
+    x = _rand((2, 6, 6, 8))
+    for ours, theirs in [(jnn.GroupNorm(4, None, 1e-3), fnn.GroupNorm(4, None, 1e-3)),
+                         (jnn.Conv(3, (2, 2), 2, "VALID"), fnn.Conv(3, (2, 2), 2, "VALID")),
+                         (jnn.Dense(5, False, jnp.bfloat16), fnn.Dense(5, False, jnp.bfloat16)),
+                         (jnn.LayerNorm(1e-3, jnp.bfloat16), fnn.LayerNorm(1e-3, jnp.bfloat16))]:
+        p = theirs.init(jax.random.PRNGKey(0), x)
+        y, want = ours.apply(p, x), theirs.apply(p, x)
+        assert y.dtype == want.dtype
+        chex.assert_trees_all_close(y, want, **_tol(want, p))
+
+
+def test_rms_norm_weight_offset_needs_kernel_path():
+    x = _rand((2, 3, 8))
+    p = {"params": {"scale": jnp.zeros((8,))}}
+    y = jnn.RMSNorm(weight_offset=1.0).apply(p, x)
+    chex.assert_trees_all_close(y, fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="jaxbwd.nn.RMSNorm: weight_offset"):
+        jnn.RMSNorm(weight_offset=1.0, reduction_axes=1).init(jax.random.PRNGKey(0), x)
+
+
+# ---------------------------------------------------------------------- dense, embed
+DENSE_CASES = [
+    ({"features": 4}, (1, 3), jnp.float32, True),
+    ({"features": 4}, (2, 7, 3), jnp.float32, True),                      # extra batch dims
+    ({"features": 4, "use_bias": False}, (5, 3), jnp.float32, True),
+    ({"features": 4}, (3,), jnp.float32, True),                           # unbatched
+    ({"features": 4}, (2, 3), jnp.bfloat16, True),                        # bf16 x, f32 params -> f32
+    ({"features": 4, "dtype": jnp.bfloat16}, (2, 3), jnp.float32, True),
+    ({"features": 4, "param_dtype": jnp.bfloat16}, (2, 3), jnp.bfloat16, True),
+    ({"features": 4, "precision": jax.lax.Precision.HIGHEST}, (2, 3), jnp.float32, False),
+    ({"features": 4, "dot_general": jax.lax.dot_general}, (2, 3), jnp.float32, False),
+    ({"features": 4, "kernel_init": fnn.initializers.ones, "bias_init": fnn.initializers.ones}, (1, 3), jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kwargs,shape,x_dtype,kernel", DENSE_CASES)
+def test_linen_dense_matches_flax(kwargs, shape, x_dtype, kernel, impl):
+    _linen_case("Dense", kwargs, _rand(shape, dtype=x_dtype), kernel, impl)
+
+
+def test_linen_dense_closed_form():
+    y = jnn.Dense(4, kernel_init=fnn.initializers.ones, bias_init=fnn.initializers.ones).init_with_output(
+        jax.random.PRNGKey(0), jnp.ones((1, 3)))[0]
+    np.testing.assert_allclose(y, np.full((1, 4), 4.0))
+
+
+IDS = jnp.array([[0, 3, 9], [2, 2, 5]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kwargs,ids,kernel", [
+    ({"num_embeddings": 10, "features": 3}, IDS, True),
+    ({"num_embeddings": 10, "features": 3, "dtype": jnp.bfloat16}, IDS, True),
+    ({"num_embeddings": 10, "features": 3, "param_dtype": jnp.bfloat16}, IDS, True),
+    ({"num_embeddings": 10, "features": 3}, jnp.array([-1, -10, 10, 12, 4]), True),   # wrap and NaN rows, as jnp.take
+    ({"num_embeddings": 1, "features": 3}, jnp.array([0, 0]), False),
+    ({"num_embeddings": 10, "features": 3}, jnp.array(4), True),                      # scalar id
+])
+def test_linen_embed_matches_flax(kwargs, ids, kernel, impl):
+    ours, theirs = jnn.Embed(**kwargs, implementation=impl), fnn.Embed(**kwargs)
+    params = theirs.init(jax.random.PRNGKey(1), ids)
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(1), ids), params)
+    y, want = ours.apply(params, ids), theirs.apply(params, ids)
+    assert y.dtype == want.dtype
+    np.testing.assert_array_equal(np.isnan(np.asarray(y, np.float32)), np.isnan(np.asarray(want, np.float32)))
+    chex.assert_trees_all_close(jnp.nan_to_num(y), jnp.nan_to_num(want))
+    assert _uses_jaxbwd(lambda p: ours.apply(p, ids), params) == kernel
+    ok = (ids >= -kwargs["num_embeddings"]) & (ids < kwargs["num_embeddings"])
+    loss = lambda mod: lambda p: jnp.sum(jnp.where(ok[..., None], jnp.sin(mod.apply(p, ids)), 0).astype(jnp.float32))
+    chex.assert_trees_all_close(jax.grad(loss(ours))(params), jax.grad(loss(theirs))(params), **_tol(want, params))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("q_dtype,dtype", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, jnp.bfloat16)])
+def test_linen_embed_attend_promotes_as_flax(q_dtype, dtype, impl):
+    # A tied LM head with bf16 activations and f32 embeddings gives f32 logits, as flax.
+    kw = {"num_embeddings": 10, "features": 3, "dtype": dtype}
+    ours, theirs = jnn.Embed(**kw, implementation=impl), fnn.Embed(**kw)
+    params = theirs.init(jax.random.PRNGKey(1), IDS)
+    q = _rand((2, 5, 3), dtype=q_dtype)
+    f = lambda mod: lambda p, q: mod.apply(p, q, method="attend")
+    y, want = f(ours)(params, q), f(theirs)(params, q)
+    assert y.dtype == want.dtype
+    tol = _tol(want, q)
+    chex.assert_trees_all_close(y, want, **tol)
+    loss = lambda mod: lambda p, q: jnp.sum(jnp.sin(f(mod)(p, q).astype(jnp.float32)))
+    chex.assert_trees_all_close(jax.grad(loss(ours), (0, 1))(params, q), jax.grad(loss(theirs), (0, 1))(params, q), **tol)
+    assert _uses_jaxbwd(f(ours), params, q)
+
+
+# ----------------------------------------------------------------------------- conv
+def _ones_conv(**kw):
+    return dict(kernel_init=fnn.initializers.ones, bias_init=fnn.initializers.ones, **kw)
+
+
+CONV_CASES = [
+    ({"features": 4, "kernel_size": (3,), "padding": "VALID", **_ones_conv()}, (1, 8, 3), True),
+    ({"features": 4, "kernel_size": (3,), "padding": "VALID", "use_bias": False, **_ones_conv()}, (1, 8, 3), True),
+    ({"features": 4, "kernel_size": (3,), "padding": "VALID", **_ones_conv()}, (2, 5, 8, 3), True),   # 2 batch dims
+    ({"features": 4, "kernel_size": (3,), "padding": "VALID", **_ones_conv()}, (8, 3), True),         # unbatched
+    ({"features": 4, "kernel_size": (3,), "padding": "VALID", "mask": jnp.tril(jnp.ones((3, 3, 4)))}, (8, 3), True),
+    ({"features": 4, "kernel_size": (3,), "feature_group_count": 2, "padding": "VALID"}, (1, 8, 4), True),
+    ({"features": 2, "kernel_size": 3, "padding": "CIRCULAR"}, (3, 8, 3), True),
+    ({"features": 2, "kernel_size": (9,), "padding": "CIRCULAR"}, (1, 8, 1), True),
+    ({"features": 2, "kernel_size": (3,), "padding": "CIRCULAR", "kernel_dilation": 3}, (1, 11, 1), True),
+    ({"features": 2, "kernel_size": (3, 3), "padding": "CIRCULAR"}, (2, 4, 5, 3), True),
+    ({"features": 1, "kernel_size": (3,), "strides": (2,), "padding": "REFLECT"}, (1, 5, 1), True),
+    ({"features": 1, "kernel_size": (3, 3), "padding": "REFLECT"}, (1, 3, 3, 1), True),
+    ({"features": 4, "kernel_size": (3,), "padding": "CAUSAL", **_ones_conv()}, (1, 8, 4), True),
+    ({"features": 3, "kernel_size": (3, 3), "strides": 2, "padding": "SAME"}, (2, 7, 9, 4), True),
+    ({"features": 3, "kernel_size": (3, 2), "padding": ((1, 0), (2, 1)), "kernel_dilation": (1, 2)}, (1, 6, 7, 2), True),
+    ({"features": 3, "kernel_size": (3, 3), "padding": 1}, (1, 5, 5, 2), True),
+    ({"features": 4, "kernel_size": (3, 3), "feature_group_count": 4}, (1, 5, 5, 4), True),            # depthwise
+    ({"features": 3, "kernel_size": (2, 2, 2)}, (1, 4, 4, 4, 2), False),                               # 3-D
+    ({"features": 3, "kernel_size": (3, 3), "input_dilation": 2, "padding": 1}, (1, 4, 4, 2), False),
+    ({"features": 3, "kernel_size": (3, 3), "padding": "SAME_LOWER"}, (1, 4, 4, 2), False),
+    ({"features": 3, "kernel_size": (3, 3), "precision": jax.lax.Precision.HIGHEST}, (1, 4, 4, 2), False),
+    ({"features": 3, "kernel_size": (3, 3), "padding": ((-1, 1), (0, 0))}, (1, 6, 4, 2), False),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kwargs,shape,kernel", CONV_CASES, ids=[f"conv{i}" for i in range(len(CONV_CASES))])
+def test_linen_conv_matches_flax(kwargs, shape, kernel, impl):
+    _linen_case("Conv", kwargs, _rand(shape), kernel, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("x_dtype,dtype,param_dtype", [(jnp.bfloat16, None, jnp.float32),
+                                                       (jnp.float32, jnp.bfloat16, jnp.float32)])
+def test_linen_conv_dtype_promotion(x_dtype, dtype, param_dtype, impl):
+    _linen_case("Conv", {"features": 3, "kernel_size": (3, 3), "dtype": dtype, "param_dtype": param_dtype},
+                _rand((1, 5, 5, 2), dtype=x_dtype), True, impl)
+
+
+def test_linen_conv_closed_forms():
+    # Constant inputs and kernels: each output counts the taps it sees.
+    y = jnn.Conv(4, (3,), padding="CAUSAL", **_ones_conv()).init_with_output(jax.random.PRNGKey(0), jnp.ones((1, 8, 4)))[0]
+    np.testing.assert_allclose(y[0, :, 0], [5, 9, 13, 13, 13, 13, 13, 13])
+    m = jnp.tril(jnp.ones((3, 3, 4)))
+    y = jnn.Conv(4, (3,), padding="VALID", mask=m, **_ones_conv()).init_with_output(
+        jax.random.PRNGKey(0), jnp.ones((8, 3)))[0]
+    np.testing.assert_allclose(y, np.tile([10.0, 7.0, 4.0, 1.0], (6, 1)))
+    # Reflect padding with a stride on 1..5 and kernel (1, 2, 1).
+    k = jnp.array([1.0, 2.0, 1.0]).reshape(3, 1, 1)
+    y = jnn.Conv(1, (3,), strides=(2,), padding="REFLECT", kernel_init=lambda *_: k).init_with_output(
+        jax.random.PRNGKey(0), jnp.arange(1.0, 6.0).reshape(1, 5, 1))[0]
+    np.testing.assert_allclose(y[0, :, 0], [2 + 2 + 2, 2 + 6 + 4, 4 + 10 + 4])
+
+
+# ------------------------------------------------------------------------------ NNX
+def _nnx_case(name, args, kwargs, x, kernel, impl, call=lambda m, x: m(x)):
+    ours = getattr(jnnx, name)(*args, **kwargs, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = getattr(nnx, name)(*args, **kwargs, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param))
+    y, want = call(ours, x), call(theirs, x)
+    assert y.dtype == want.dtype and y.shape == want.shape
+    tol = _tol(want, x, nnx.state(theirs, nnx.Param))
+    chex.assert_trees_all_close(y, want, **tol)
+    loss = lambda m: jnp.sum(jnp.sin(call(m, x).astype(jnp.float32)))
+    g, gw = nnx.grad(loss)(ours), nnx.grad(loss)(theirs)
+    chex.assert_trees_all_close(nnx.state(g, nnx.Param), nnx.state(gw, nnx.Param), **tol)
+    graphdef, state = nnx.split(ours)
+    assert _uses_jaxbwd(lambda s, x: call(nnx.merge(graphdef, s), x), state, x) == kernel
+
+
+NNX_CASES = [
+    ("RMSNorm", (8,), {}, (2, 3, 8), True),
+    ("RMSNorm", (5,), {"feature_axes": -2, "reduction_axes": -2}, (2, 5, 4), False),
+    ("RMSNorm", (8,), {"dtype": jnp.bfloat16}, (2, 3, 8), True),
+    ("RMSNorm", (8,), {"use_scale": False}, (2, 3, 8), True),
+    ("LayerNorm", (8,), {}, (2, 3, 8), True),
+    ("LayerNorm", (8,), {"use_bias": False, "use_scale": False}, (2, 3, 8), True),
+    ("LayerNorm", (4,), {"reduction_axes": (1, 2), "feature_axes": -1}, (2, 3, 4), False),
+    ("LayerNorm", (8,), {"param_dtype": jnp.bfloat16}, (2, 3, 8), True),
+    ("GroupNorm", (8, 4), {}, (2, 3, 3, 8), True),                               # num_groups positional
+    ("GroupNorm", (8, None, 2), {}, (2, 3, 3, 8), True),                         # group_size positional
+    ("GroupNorm", (8, 2), {"dtype": jnp.bfloat16}, (2, 3, 3, 8), True),
+    ("Linear", (3, 4), {}, (2, 3), True),
+    ("Linear", (3, 4), {"use_bias": False, "param_dtype": jnp.bfloat16}, (2, 3), True),
+    ("Linear", (3, 4), {"dtype": jnp.bfloat16}, (2, 3), True),
+    ("Linear", (3, 4), {"precision": jax.lax.Precision.HIGHEST}, (2, 3), False),
+    ("Linear", (3, 4), {"preferred_element_type": jnp.float32}, (2, 3), False),
+    ("Conv", (3, 4, (3,)), {"padding": "VALID"}, (2, 5, 8, 3), True),
+    ("Conv", (3, 4, (3, 3), 2), {}, (2, 7, 7, 3), True),                         # strides positional
+    ("Conv", (4, 4, (3,)), {"feature_group_count": 2, "padding": "CAUSAL"}, (1, 8, 4), True),
+    ("Conv", (3, 2, (3, 3)), {"padding": "CIRCULAR", "mask": jnp.tril(jnp.ones((3, 3, 3, 2)))}, (4, 5, 3), True),
+    ("Conv", (2, 3, (2, 2, 2)), {}, (1, 4, 4, 4, 2), False),
+    ("Conv", (2, 3, (3, 3)), {"input_dilation": 2, "padding": 1}, (1, 4, 4, 2), False),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,args,kwargs,shape,kernel", NNX_CASES,
+                         ids=[f"{n}-{i}" for i, (n, *_r) in enumerate(NNX_CASES)])
+def test_nnx_modules_match_flax(name, args, kwargs, shape, kernel, impl):
+    _nnx_case(name, args, kwargs, _rand(shape), kernel, impl)
+
+
+def test_nnx_masked_norms_take_flax_path():
+    x = _rand((2, 3, 3, 8))
+    m = jax.random.bernoulli(jax.random.PRNGKey(5), 0.5, x.shape).at[..., :4].set(True)
+    for name, args in [("GroupNorm", (8, 2)), ("LayerNorm", (8,)), ("RMSNorm", (8,))]:
+        _nnx_case(name, args, {}, jnp.where(m, x, 0.0), False, "xla", call=lambda mod, x: mod(x, mask=m))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nnx_bf16_inputs_promote_as_flax(impl):
+    x = _rand((2, 3, 8), dtype=jnp.bfloat16)
+    for name, args in [("RMSNorm", (8,)), ("LayerNorm", (8,)), ("Linear", (8, 4)), ("GroupNorm", (8, 2))]:
+        _nnx_case(name, args, {}, x, True, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nnx_embed_and_attend_match_flax(impl):
+    ids = jnp.array([[1, 4, 9], [0, -1, 11]])
+    ours = jnnx.Embed(10, 3, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = nnx.Embed(10, 3, rngs=nnx.Rngs(0))
+    y, want = ours(ids), theirs(ids)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    chex.assert_trees_all_close(jnp.nan_to_num(y), jnp.nan_to_num(want))
+    q = _rand((2, 3), dtype=jnp.bfloat16)
+    _nnx_case("Embed", (10, 3), {}, q, True, impl, call=lambda m, x: m.attend(x))
+    assert ours.attend(q).dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- a model swapped whole
+def _lm1b_style(nn, dtype):
+    """A small decoder laid out as flax's lm1b example (post-embedding positions, pre-norm
+    blocks of causal self-attention and a ReLU MLP, a final norm, tied logits), written
+    against a module namespace ``nn`` so flax's modules and jaxbwd's can be swapped in."""
+
+    class MlpBlock(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            y = nn.Dense(32, dtype=dtype, kernel_init=fnn.initializers.xavier_uniform(),
+                         bias_init=fnn.initializers.normal(stddev=1e-6))(x)
+            y = fnn.relu(y)
+            return nn.Dense(x.shape[-1], dtype=dtype, kernel_init=fnn.initializers.xavier_uniform(),
+                            bias_init=fnn.initializers.normal(stddev=1e-6))(y)
+
+    class Block(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, mask):
+            y = nn.LayerNorm(dtype=dtype)(x)
+            y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=dtype, qkv_features=16, use_bias=False,
+                                                broadcast_dropout=False, dropout_rate=0.0, deterministic=True,
+                                                kernel_init=fnn.initializers.xavier_uniform())(y, mask=mask)
+            x = x + y
+            return x + MlpBlock()(nn.LayerNorm(dtype=dtype)(x))
+
+    class Decoder(fnn.Module):
+        @fnn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(num_embeddings=40, features=16, embedding_init=fnn.initializers.normal(stddev=1.0))
+            x = embed(tokens).astype(dtype)
+            pos = self.param("pos_embedding", fnn.initializers.normal(stddev=0.02), (1, tokens.shape[1], 16))
+            x = x + pos
+            mask = fnn.combine_masks(fnn.make_attention_mask(tokens > 0, tokens > 0, dtype=dtype),
+                                     fnn.make_causal_mask(tokens, dtype=dtype))
+            for i in range(2):
+                x = Block(name=f"encoderdecoderblock_{i}")(x, mask)
+            x = nn.LayerNorm(dtype=dtype, name="encoderdecoder_norm")(x)
+            return embed.attend(x.astype(dtype)) / jnp.sqrt(x.shape[-1])
+
+    return Decoder()
+
+
+class _Jaxbwd:
+    def __init__(self, impl):
+        self.impl = impl
+
+    def __getattr__(self, name):
+        return lambda *a, **k: getattr(jnn, name)(*a, **k, implementation=self.impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lm1b_style_model_swapped_gives_flax_loss_and_grads(dtype, impl):
+    tokens = jnp.array([[5, 9, 3, 17, 2, 0, 0, 0], [1, 4, 4, 8, 39, 12, 6, 7]])
+    theirs, ours = _lm1b_style(fnn, dtype), _lm1b_style(_Jaxbwd(impl), dtype)
+    params = theirs.init(jax.random.PRNGKey(0), tokens[:, :-1])
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(0), tokens[:, :-1]), params)
+
+    def loss(model):
+        def f(p):
+            logits = model.apply(p, tokens[:, :-1])
+            weights = (tokens[:, 1:] > 0).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+            return jnp.sum(ce * weights) / jnp.sum(weights)
+        return f
+
+    (l1, g1), (l2, g2) = jax.value_and_grad(loss(ours))(params), jax.value_and_grad(loss(theirs))(params)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=5e-2, rtol=5e-2)
+    chex.assert_trees_all_close(l1, l2, **tol)
+    chex.assert_trees_all_close(g1, g2, **tol)
+    assert _uses_jaxbwd(lambda p: ours.apply(p, tokens[:, :-1]), params)
+
+
+# ------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ["self", "features", "enc_dec", "causal", "bf16", "dropout", "sow"])
+def test_linen_mhdpa_matches_flax(case, impl):
+    x = _rand((2, 6, 16))
+    kw, call, kernel = {"num_heads": 4}, {}, True
+    args = (x,)
+    if case == "features":
+        kw.update(qkv_features=8, out_features=5, use_bias=False)
+    elif case == "enc_dec":
+        args = (x, _rand((2, 9, 16), seed=1))
+    elif case == "causal":  # a dense mask: the op's documented XLA path (no custom_vjp)
+        call = {"mask": fnn.make_causal_mask(jnp.ones((2, 6)))}
+        kernel = False
+    elif case == "bf16":
+        kw.update(dtype=jnp.bfloat16)
+    elif case == "dropout":  # active dropout: flax's own function (same rng, same result)
+        kw.update(dropout_rate=0.5, deterministic=False)
+        kernel = False
+    elif case == "sow":  # sown attention weights need flax's function
+        call = {"sow_weights": True}
+        kernel = False
+    ours = jnn.MultiHeadDotProductAttention(**kw, implementation=impl)
+    theirs = fnn.MultiHeadDotProductAttention(**kw)
+    rngs = {"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}
+    params = theirs.init(rngs, *args, **call)
+    chex.assert_trees_all_equal(ours.init(rngs, *args, **call)["params"], params["params"])
+    p = {"params": params["params"]}
+    f = lambda mod: lambda p, *a: mod.apply(p, *a, **call, rngs={"dropout": jax.random.PRNGKey(3)},
+                                            mutable=["intermediates"])[0]
+    y, want = f(ours)(p, *args), f(theirs)(p, *args)
+    assert y.dtype == want.dtype
+    # bf16: flax's softmax runs in bf16 without force_fp32_for_softmax, jaxbwd's in f32.
+    tol = dict(atol=5e-2, rtol=5e-2) if case == "bf16" else _tol(want)
+    chex.assert_trees_all_close(y, want, **tol)
+    loss = lambda mod: lambda p, *a: jnp.sum(jnp.sin(f(mod)(p, *a).astype(jnp.float32)))
+    chex.assert_trees_all_close(jax.grad(loss(ours), argnums=(0, 1))(p, *args),
+                                jax.grad(loss(theirs), argnums=(0, 1))(p, *args), **tol)
+    assert _uses_jaxbwd(f(ours), p, *args) == kernel
+
+
+def test_linen_attention_fn_signature_is_flax():
+    import inspect
+
+    assert list(inspect.signature(jnn.dot_product_attention).parameters) == \
+        list(inspect.signature(fnn.dot_product_attention).parameters)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kw", [{}, {"num_kv_heads": 2}, {"qkv_features": 8, "out_features": 5, "normalize_qk": True}],
+                         ids=["mha", "gqa", "features-normalize_qk"])
+@pytest.mark.parametrize("call", ["plain", "is_causal", "mask"])
+def test_nnx_multi_head_attention_matches_flax(kw, call, impl):
+    x = _rand((2, 6, 16))
+    extra = {"plain": {}, "is_causal": {"is_causal": True},
+             "mask": {"mask": nnx.make_causal_mask(jnp.ones((2, 6)))}}[call]
+    args = dict(num_heads=4, in_features=16, decode=False, **kw)
+    ours = jnnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = nnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param))
+    chex.assert_trees_all_close(ours(x, **extra), theirs(x, **extra), atol=1e-5, rtol=1e-5)
+    loss = lambda m: jnp.sum(jnp.sin(m(x, **extra)))
+    # normalize_qk's LayerNorms amplify f32 rounding differences of the attention grads.
+    chex.assert_trees_all_close(nnx.state(nnx.grad(loss)(ours), nnx.Param),
+                                nnx.state(nnx.grad(loss)(theirs), nnx.Param), atol=1e-4, rtol=1e-3)
+    graphdef, state = nnx.split(ours)
+    # Without a dense mask the flash op (a custom_vjp) runs; a dense mask takes its XLA path.
+    assert _uses_jaxbwd(lambda s, x: nnx.merge(graphdef, s)(x, **extra), state, x) == (call != "mask")
