@@ -80,7 +80,7 @@ LARGE = [
     ("silu", lambda x: jaxbwd.silu(x, implementation="pallas"), ((65536, 40960),), "silu_bwd"),
     ("gelu 1-D", lambda x: jaxbwd.gelu(x, implementation="pallas"), ((_BIG,),), "gelu_bwd"),
     ("swiglu", lambda g, u: jaxbwd.swiglu(g, u, implementation="pallas"), ((65536, 40960), (65536, 40960)), "swiglu_bwd"),
-    ("glu", lambda x: jaxbwd.glu(x, implementation="pallas"), ((65536, 81920),), "glu_bwd"),
+    ("gated_linear_unit", lambda x: jaxbwd.gated_linear_unit(x, implementation="pallas"), ((65536, 81920),), "glu_bwd"),
     ("pixel_shuffle", lambda x: jaxbwd.pixel_shuffle(x, 2, implementation="pallas"), ((64, 512, 512, 256),), "pixel_shuffle_bwd"),
     ("unpatchify", lambda t: jaxbwd.unpatchify(t, grid=64, patch_size=8, channels=160, implementation="pallas"),
      ((64, 4096, 10240),), "unpatchify_bwd"),
