@@ -253,14 +253,13 @@ def _fwd_setup(spec, ex, impl, dt):
     diff = [args[i] for i in spec.diff_argnums]
     f = _closure(spec.fn, spec, args, kwargs, impl)
     f32, diff32 = _truth_f32(spec, args, kwargs)
-    return f, diff, f32, diff32
+    return f, tuple(diff), f32, tuple(diff32)
 
 
 @pytestmark_fwd
 @pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, first_only=True))
 def test_jvp_and_linearize_match_reference(spec, ex, impl, dt):
     f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
-    diff, diff32 = tuple(diff), tuple(diff32)
     ts = tuple(_tangents(diff))
     out, t_out = jax.jvp(f, diff, ts)
     want, t_want = jax.jvp(f32, diff32, tuple(t.astype(jnp.float32) for t in ts))
@@ -274,6 +273,16 @@ def test_jvp_and_linearize_match_reference(spec, ex, impl, dt):
     _close(lin(*ts), t_want, TOL[dt])
     ts2 = _tangents(diff, seed=3)
     _close(lin(*ts2), jax.jvp(f32, diff32, tuple(t.astype(jnp.float32) for t in ts2))[1], TOL[dt])
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex", [pytest.param(s, ex, id=f"{s.name}-{ex.name}") for s in SPECS if s.jvp_kernels
+                                     for ex in s.examples[1:]])
+def test_jvp_kernel_other_examples(spec, ex):
+    """The forward-mode kernel on the examples the first-example cases above skip."""
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, "pallas", "float32")
+    ts = tuple(_tangents(diff))
+    _close(jax.jvp(f, tuple(diff), ts)[1], jax.jvp(f32, tuple(diff32), ts)[1], TOL["float32"])
 
 
 def _subspace(f, diff, k=3, seed=4):
@@ -291,7 +300,6 @@ def _subspace(f, diff, k=3, seed=4):
 @pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
 def test_jacfwd_and_vmap_of_jvp(spec, ex, impl, dt):
     f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
-    diff, diff32 = tuple(diff), tuple(diff32)
     c0 = jnp.zeros((3,), jnp.float32)
     _close(jax.jacfwd(_subspace(f, diff))(c0), jax.jacrev(_subspace(f32, diff32))(c0), TOL[dt])
     # vmap of jvp over a batch of tangents, against one jvp per tangent.
@@ -310,7 +318,6 @@ def _scalar_loss(f, out_like, seed=5):
 def test_second_order_matches_reference(spec, ex, impl, dt):
     """Hessian-vector product (jvp of grad) and grad of grad, plain and under jit/vmap."""
     f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
-    diff, diff32 = tuple(diff), tuple(diff32)
     out = jax.eval_shape(f, *diff)
     argnums = tuple(range(len(diff)))
     g, g32 = (jax.grad(_scalar_loss(h, out), argnums=argnums) for h in (f, f32))
@@ -354,3 +361,34 @@ def test_forward_mode_error_and_grad_of_grad_on_old_jax(spec, ex, impl, dt):
     gg = jax.grad(lambda *d: sum(jnp.vdot(a.astype(jnp.float32), t) for a, t in zip(g(*d), ts)), argnums=argnums)
     gg32 = jax.grad(lambda *d: sum(jnp.vdot(a, t) for a, t in zip(g32(*d), ts)), argnums=argnums)
     _close(gg(*diff), gg32(*diff32), 1e-4)
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex", [pytest.param(s, s.lowering[0], id=s.name) for s in SPECS if s.jvp_kernels])
+def test_jvp_kernels_lower_for_gpu(spec, ex):
+    args, kwargs = ex.make(None, None)
+
+    def jvp(*all_args):
+        f = _closure(spec.fn, spec, list(all_args), kwargs, "pallas")
+        diff = tuple(all_args[i] for i in spec.diff_argnums)
+        return jax.jvp(f, diff, diff)
+
+    with config.use(interpret=False):
+        names = pallas_common.triton_kernel_names(pallas_common.lower_for_gpu(jvp, *args))
+    for k in spec.jvp_kernels:
+        assert k in names, f"{spec.name}: forward-mode kernel {k} missing from the CUDA module (found {names})"
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.jvp_memory], ids=lambda s: s.name)
+def test_jvp_memory_within_budget(spec):
+    ex, budget = spec.jvp_memory
+    args, kwargs = ex.make(None, None)
+    diff = [args[i] for i in spec.diff_argnums]
+
+    def jvp(*d):
+        f = _closure(spec.fn, spec, args, kwargs, "xla")
+        return jax.jvp(f, d, d)
+
+    temp = jax.jit(jvp).lower(*diff).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= budget(*args, **kwargs), f"{spec.name}: jit(jvp) holds {temp} temp bytes, budget {budget(*args, **kwargs)}"

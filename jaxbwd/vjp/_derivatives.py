@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,8 +125,8 @@ class _Rules:
     """One application's rules, taking the dynamic arguments only (nondiff ones bound).
 
     primal(*args) -> out; fwd(*args) -> (out, res); bwd(res, ct) -> cts (one per arg,
-    None for integer args); tangent(res, tangents) -> out tangent. ``batched`` maps the
-    rules through vmap.
+    None for integer args); tangent(res, tangents) -> out tangent. Under vmap a primitive
+    is rebuilt with the rules vmapped (``_batched_rules``).
     """
 
     name: str
@@ -150,10 +150,6 @@ def _is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.floating) or jnp.issubdtype(aval.dtype, jnp.complexfloating)
 
 
-def _zero_tangent(aval):
-    return jnp.zeros(aval.shape, aval.dtype)
-
-
 def _unsupported(op: str, what: str):
     raise NotImplementedError(
         f"jaxbwd.{op}: {what} is not supported by this op's custom derivative"
@@ -164,13 +160,10 @@ if _HAVE_HIJAX:
     _Zero = _hijax.Zero
     _GradAccum = _hijax.GradAccum
 
-    def _inst(x, aval=None):
+    def _inst(x):
         if isinstance(x, _Zero):
             return jnp.zeros(x.aval.shape, x.aval.dtype)
         return x
-
-    def _sum_dims(dims):
-        return tuple(_batching.sum_axis if d is None else d for d in dims)
 
     def _batched_rules(rules: _Rules, axis_data, dims: tuple) -> _Rules:
         """The rules of the op vmapped over ``dims`` (outputs batched at 0)."""
@@ -245,8 +238,7 @@ if _HAVE_HIJAX:
             tangent = vr(axis_data, rules.tangent, (res_dims, t_dims), 0)
 
             def bwd(res, ct):
-                full = _batched_bwd(rules, axis_data, t_dims, res, res_dims, ct)
-                return full
+                return _batched_bwd(rules, axis_data, t_dims, res, res_dims, ct)
 
             new_rules = _Rules(rules.name, rules.primal, rules.fwd, bwd, tangent)
             out = _Tangent(new_rules, *_avals_of(res, ts), _aval_like(self.out_aval, axis_data.size))
@@ -346,17 +338,17 @@ class custom_op:
         return tuple(next(it_n) if i in self.nondiff_argnums else next(it_d) for i in range(n))
 
     def _rules(self, nondiff) -> _Rules:
-        full = lambda f: (lambda *dyn: f(*self._full(nondiff, dyn)))
-        fwd_ = lambda *a: self.fwd(*a)
-        # fwd and primal take the full argument list; wrap so nondiff ones are bound.
-        fwd = _differentiable(lambda *a: fwd_(*self._full(a[:len(nondiff)], a[len(nondiff):])), nondiff)
+        n = len(nondiff)
+        # fun and fwd take the full argument list; bwd and tangent take nondiff args first.
+        full = lambda f: (lambda *a: f(*self._full(a[:n], a[n:])))
+        primal = functools.partial(full(self.fun), *nondiff)
+        fwd = _differentiable(full(self.fwd), nondiff)
         bwd = _differentiable(self.bwd, nondiff)
         tangent = None
         if self.tangent is not None:
-            tangent_rule = self.tangent
-            tangent = _differentiable(lambda *a: tangent_rule(*a[:len(nondiff)], a[len(nondiff)], *a[len(nondiff) + 1]),
-                                      nondiff)
-        return _Rules(self.name, full(self.fun), fwd, bwd, tangent)
+            rule = self.tangent
+            tangent = _differentiable(lambda *a: rule(*a[:n], a[n], *a[n + 1]), nondiff)
+        return _Rules(self.name, primal, fwd, bwd, tangent)
 
     def __call__(self, *args):
         nondiff, dyn = self._split(args)
