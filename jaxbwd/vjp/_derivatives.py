@@ -72,7 +72,7 @@ try:  # JAX >= 0.12: the primitive API this module is built on (pinned here only
     from jax._src.interpreters import batching as _batching
 
     _HAVE_HIJAX = all(hasattr(_hijax, n) for n in ("HiPrim", "vmap_rule", "linearize_from_jvp",
-                                                    "vjp_from_jvp", "GradAccum", "Zero"))
+                                                    "vjp_from_jvp", "GradAccum", "Zero", "unmap_avals"))
     _HAVE_HIJAX = _HAVE_HIJAX and tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 except ImportError:  # pragma: no cover - old JAX
     _hijax = _batching = None
@@ -241,11 +241,11 @@ if _HAVE_HIJAX:
                 return _batched_bwd(rules, axis_data, t_dims, res, res_dims, ct)
 
             new_rules = _Rules(rules.name, rules.primal, rules.fwd, bwd, tangent)
-            out = _Tangent(new_rules, *_avals_of(res, ts), _aval_like(self.out_aval, axis_data.size))
+            out = _Tangent(new_rules, *_avals_of(res, ts), _aval_like(self.out_aval, axis_data))
             return out(res, ts), 0
 
-    def _aval_like(aval, size):
-        return _hijax.ShapedArray((size, *aval.shape), aval.dtype)
+    def _aval_like(aval, axis_data):
+        return _hijax.unmap_avals(axis_data, aval, 0)
 
     def _avals_of(*trees):
         return tuple(jax.tree_util.tree_map(jax.typeof, t) for t in trees)
@@ -281,7 +281,7 @@ if _HAVE_HIJAX:
             if self.rules.tangent is None:
                 _unsupported(self.rules.name, "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)")
             ts = self._tangent_in(tangents)
-            t_out_aval = _hijax.ShapedArray(self.out_aval.shape, self.out_aval.dtype)
+            t_out_aval = self.out_aval.to_tangent_aval()
             prim = _Tangent(self.rules, *_avals_of(res, ts), t_out_aval)
             return prim(res, ts)
 
@@ -300,7 +300,7 @@ if _HAVE_HIJAX:
                 return self(*args), None
             rules = _batched_rules(self.rules, axis_data, tuple(dims))
             in_avals = [None if a is None else jax.typeof(a) for a in args]
-            out_aval = _aval_like(self.out_aval, axis_data.size)
+            out_aval = _aval_like(self.out_aval, axis_data)
             return _Op(rules, in_avals, out_aval)(*args), 0
 
 
@@ -357,8 +357,9 @@ class custom_op:
         dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
         rules = self._rules(nondiff)
         in_avals = [None if a is None else jax.typeof(a) for a in dyn]
-        out_aval = jax.eval_shape(rules.primal, *dyn)
-        out_aval = _hijax.ShapedArray(out_aval.shape, out_aval.dtype, weak_type=out_aval.weak_type)
+        # Traced (not eval_shape) so that the output's aval keeps the inputs' varying manual
+        # axes inside a vma-checked shard_map.
+        out_aval = jax.make_jaxpr(rules.primal)(*dyn).out_avals[0]
         return _Op(rules, in_avals, out_aval)(*dyn)
 
     def _call_custom_vjp(self, nondiff, dyn):
