@@ -70,6 +70,12 @@ class OpSpec:
     bench: tuple[tuple[str, Example], ...] = ()
     # FLOPs of forward + backward for compute-bound ops (attention, conv): f(*args, **kwargs).
     flops: Optional[Callable[..., float]] = None
+    # Forward mode (jax.jvp/linearize/jacfwd): the Pallas kernels the tangent rule runs on the
+    # kernel path (() when it is an XLA formula on both), and, for ops whose autodiff JVP
+    # would hold a large intermediate, (inputs as ShapeDtypeStructs, budget(*args, **kwargs)):
+    # compiled temp bytes of jit(jvp) on the XLA path (CPU) may not exceed the budget.
+    jvp_kernels: tuple[str, ...] = ()
+    jvp_memory: Optional[tuple[Example, Callable[..., int]]] = None
 
     @property
     def has_kernels(self) -> bool:
@@ -488,6 +494,14 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda q, k, v, segment_ids=None, **_: (
             _nbytes(q, k, v, q) + 4 * q.shape[0] * q.shape[1] * q.shape[2]
             + (2 * _nbytes(segment_ids) if segment_ids is not None else 0)
+        ),
+        # The tangent pass recomputes P from the saved lse per key block: a few f32
+        # [B, N, T, 512] blocks and input-sized arrays, never a [B, N, T, S] array
+        # (autodiff of the reference holds several: 641 MB at these shapes, the budget 124 MB).
+        jvp_kernels=("attention_jvp",),
+        jvp_memory=(
+            Example("1x4096x2x32-f32-causal", lambda k, d: (tuple(_sds((1, 4096, 2, 32), "float32") for _ in range(3)), {"is_causal": True})),
+            lambda q, k, v, **_: 6 * 4 * q.shape[0] * q.shape[2] * q.shape[1] * min(k.shape[1], 512) + 8 * _nbytes(q, k, v),
         ),
     ),
     OpSpec(

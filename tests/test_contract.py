@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxbwd import config, registry
+from jaxbwd.vjp import _derivatives as derivatives
 from jaxbwd.pallas import _common as pallas_common
 
 SPECS = registry.ops()
@@ -233,3 +234,161 @@ def test_residuals_within_budget(spec, impl):
     saved = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype"))
     budget = spec.residual_budget(*args, **kwargs)
     assert saved <= budget, f"{spec.name} saves {saved} bytes, budget {budget}"
+
+
+# ------------------------------------------------------------------ forward mode and second order
+# Every op runs under jax.jvp / linearize / jacfwd and second order (jvp of grad, grad of
+# grad), on both implementations: the kernel path's backward is differentiated through the
+# op's XLA formula. First example per op; the second-order cases in float32 only.
+pytestmark_fwd = pytest.mark.skipif(not derivatives.FORWARD_MODE, reason="forward mode needs jax >= 0.12")
+
+
+def _tangents(diff, seed=2):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(diff))
+    return tuple(jax.random.normal(k, d.shape, jnp.float32).astype(d.dtype) for k, d in zip(keys, diff))
+
+
+def _fwd_setup(spec, ex, impl, dt):
+    args, kwargs = _setup(spec, ex, dt)
+    diff = [args[i] for i in spec.diff_argnums]
+    f = _closure(spec.fn, spec, args, kwargs, impl)
+    f32, diff32 = _truth_f32(spec, args, kwargs)
+    return f, tuple(diff), f32, tuple(diff32)
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, first_only=True))
+def test_jvp_and_linearize_match_reference(spec, ex, impl, dt):
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
+    ts = tuple(_tangents(diff))
+    out, t_out = jax.jvp(f, diff, ts)
+    want, t_want = jax.jvp(f32, diff32, tuple(t.astype(jnp.float32) for t in ts))
+    assert t_out.dtype == out.dtype and t_out.shape == out.shape
+    _close(out, want, TOL[dt])
+    _close(t_out, t_want, TOL[dt])
+    # jit, and linearize evaluated at a second tangent too (the linear map is reusable).
+    _close(jax.jit(lambda *p: jax.jvp(f, p, ts)[1])(*diff), t_want, TOL[dt])
+    out_l, lin = jax.linearize(f, *diff)
+    _close(out_l, want, TOL[dt])
+    _close(lin(*ts), t_want, TOL[dt])
+    ts2 = _tangents(diff, seed=3)
+    _close(lin(*ts2), jax.jvp(f32, diff32, tuple(t.astype(jnp.float32) for t in ts2))[1], TOL[dt])
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex", [pytest.param(s, ex, id=f"{s.name}-{ex.name}") for s in SPECS if s.jvp_kernels
+                                     for ex in s.examples[1:]])
+def test_jvp_kernel_other_examples(spec, ex):
+    """The forward-mode kernel on the examples the first-example cases above skip."""
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, "pallas", "float32")
+    ts = tuple(_tangents(diff))
+    _close(jax.jvp(f, tuple(diff), ts)[1], jax.jvp(f32, tuple(diff32), ts)[1], TOL["float32"])
+
+
+def _subspace(f, diff, k=3, seed=4):
+    """``g(c) = f(diff + sum_i c_i v_i)``: a small input space, so jacfwd stays cheap."""
+    dirs = [_tangents(diff, seed=seed + i) for i in range(k)]
+
+    def g(c):
+        return f(*[d + sum(c[i] * dirs[i][j].astype(d.dtype) for i in range(k)).astype(d.dtype)
+                   for j, d in enumerate(diff)])
+
+    return g
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
+def test_jacfwd_and_vmap_of_jvp(spec, ex, impl, dt):
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
+    c0 = jnp.zeros((3,), jnp.float32)
+    _close(jax.jacfwd(_subspace(f, diff))(c0), jax.jacrev(_subspace(f32, diff32))(c0), TOL[dt])
+    # vmap of jvp over a batch of tangents, against one jvp per tangent.
+    tb = [jnp.stack([t, 2 * t]) for t in _tangents(diff)]
+    vj = jax.vmap(lambda *t: jax.jvp(f, diff, t)[1])(*tb)
+    _close(vj, jnp.stack([jax.jvp(f32, diff32, tuple(t[i] for t in tb))[1] for i in range(2)]), TOL[dt])
+
+
+def _scalar_loss(f, out_like, seed=5):
+    w = _cotangent(out_like, seed).astype(jnp.float32)
+    return lambda *d: jnp.sum(f(*d).astype(jnp.float32) * w)
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
+def test_second_order_matches_reference(spec, ex, impl, dt):
+    """Hessian-vector product (jvp of grad) and grad of grad, plain and under jit/vmap."""
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
+    out = jax.eval_shape(f, *diff)
+    argnums = tuple(range(len(diff)))
+    g, g32 = (jax.grad(_scalar_loss(h, out), argnums=argnums) for h in (f, f32))
+    ts = tuple(_tangents(diff))
+    hvp = jax.jvp(g, diff, ts)[1]
+    hvp32 = jax.jvp(g32, diff32, ts)[1]
+    _close(hvp, hvp32, 1e-4)
+    _close(jax.jit(lambda *d: jax.jvp(g, d, ts)[1])(*diff), hvp32, 1e-4)
+    # grad of grad (a gradient penalty): d/dx sum(grad(x) * v).
+    gg = jax.grad(lambda *d: sum(jnp.vdot(a.astype(jnp.float32), t) for a, t in zip(g(*d), ts)), argnums=argnums)
+    gg32 = jax.grad(lambda *d: sum(jnp.vdot(a, t) for a, t in zip(g32(*d), ts)), argnums=argnums)
+    _close(gg(*diff), gg32(*diff32), 1e-4)
+    # vmap of the Hessian-vector product over two tangents.
+    tb = [jnp.stack([t, -t]) for t in ts]
+    vh = jax.vmap(lambda *t: jax.jvp(g, diff, t)[1])(*tb)
+    _close(vh, jax.tree_util.tree_map(lambda h: jnp.stack([h, -h]), hvp32), 1e-4)
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.check_grads_order], ids=lambda s: s.name)
+def test_numerical_second_order_float64_xla(spec):
+    from jax.test_util import check_grads
+
+    with jax.enable_x64(True):
+        args, kwargs = _setup(spec, spec.examples[0], "float64")
+        f = _closure(spec.fn, spec, args, kwargs, "xla")
+        check_grads(f, [args[i] for i in spec.diff_argnums], order=2, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(derivatives.FORWARD_MODE, reason="jax >= 0.12 has forward mode")
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
+def test_forward_mode_error_and_grad_of_grad_on_old_jax(spec, ex, impl, dt):
+    """Before jax 0.12: jvp raises NotImplementedError naming the op; grad of grad still works."""
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
+    with pytest.raises(NotImplementedError, match=rf"jaxbwd\.{spec.name}: forward-mode"):
+        jax.jvp(f, diff, tuple(_tangents(diff)))
+    out = jax.eval_shape(f, *diff)
+    argnums = tuple(range(len(diff)))
+    ts = _tangents(diff)
+    g, g32 = (jax.grad(_scalar_loss(h, out), argnums=argnums) for h in (f, f32))
+    gg = jax.grad(lambda *d: sum(jnp.vdot(a.astype(jnp.float32), t) for a, t in zip(g(*d), ts)), argnums=argnums)
+    gg32 = jax.grad(lambda *d: sum(jnp.vdot(a, t) for a, t in zip(g32(*d), ts)), argnums=argnums)
+    _close(gg(*diff), gg32(*diff32), 1e-4)
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex", [pytest.param(s, s.lowering[0], id=s.name) for s in SPECS if s.jvp_kernels])
+def test_jvp_kernels_lower_for_gpu(spec, ex):
+    args, kwargs = ex.make(None, None)
+
+    def jvp(*all_args):
+        f = _closure(spec.fn, spec, list(all_args), kwargs, "pallas")
+        diff = tuple(all_args[i] for i in spec.diff_argnums)
+        return jax.jvp(f, diff, diff)
+
+    with config.use(interpret=False):
+        names = pallas_common.triton_kernel_names(pallas_common.lower_for_gpu(jvp, *args))
+    for k in spec.jvp_kernels:
+        assert k in names, f"{spec.name}: forward-mode kernel {k} missing from the CUDA module (found {names})"
+
+
+@pytestmark_fwd
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.jvp_memory], ids=lambda s: s.name)
+def test_jvp_memory_within_budget(spec):
+    ex, budget = spec.jvp_memory
+    args, kwargs = ex.make(None, None)
+    diff = [args[i] for i in spec.diff_argnums]
+
+    def jvp(*d):
+        f = _closure(spec.fn, spec, args, kwargs, "xla")
+        return jax.jvp(f, d, d)
+
+    temp = jax.jit(jvp).lower(*diff).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= budget(*args, **kwargs), f"{spec.name}: jit(jvp) holds {temp} temp bytes, budget {budget(*args, **kwargs)}"

@@ -406,3 +406,71 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(q2),
     )(*inputs)
     return dq, dk, dv
+
+
+# ------------------------------------------------------------------------ forward mode
+def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
+    if d.segments:
+        q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, qs_ref, ks_ref, bnd_ref, do_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, do_ref), qs_ref, ks_ref, bnd_ref = (
+            refs, None, None, None)
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, n = bh // d.N, bh % d.N
+    kvh = n // d.G
+    rows = i * bq + jnp.arange(bq)
+    rmask = rows < d.T
+    o_idx, o_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    _, _, dq = _tile(dq_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    lse = C.load(lse_ref, (bh, rows), rmask)
+    qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
+
+    def body(j, carry):
+        acc, rs = carry
+        cols = j * bk + jnp.arange(bk)
+        cmask = cols < d.S
+        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, dk = _tile(dk_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+        s, t = _logits(d, q, k)  # base 2, as lse * log2(e)
+        p = jnp.where(_mask(d, rows, cols, qs, ks), jnp.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
+        ds = (C.dot(dq, k, trans_b=True) + C.dot(q, dk, trans_b=True)) * d.scale
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        pds = p * ds
+        acc = acc + C.dot(p.astype(dv.dtype), dv) + C.dot(pds.astype(v.dtype), v)
+        return acc, rs + jnp.sum(pds, axis=1)
+
+    lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
+    init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, rs = lax.fori_loop(lo, hi, body, init)
+    _, _, o = _tile(o_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    C.store(do_ref, o_idx, acc - rs[:, None] * o.astype(jnp.float32), o_mask)
+
+
+def attention_jvp(q2, k2, v2, qseg, kseg, o2, lse, dq2, dk2, dv2, d: Dims, *, interpret: bool = False):
+    """Output tangent of attention from the forward's residuals, one pass over key blocks.
+
+    With ``P = exp(S - lse)`` recomputed per tile (lse from :func:`attention_fwd`, so no
+    online rescaling is needed) and ``dS = scale * (dq k^T + q dk^T)`` (times ``1 - tanh^2``
+    under a softcap): ``dO = P dV + (P * dS) V - rowsum(P * dS) * O``. One program per
+    (query block, b*N + n), as the forward; memory O(T): no T x S array.
+
+    Args:
+      q2, dq2, o2: [B*T, N*H] views; k2, v2, dk2, dv2: [B*S, K*H] views; lse [B*N, T] f32;
+        qseg, kseg as in :func:`attention_fwd`.
+    Returns:
+      dO [B*T, N*H] in q's dtype.
+    """
+    bq, bk, nw = _blocks(d, "fwd", q2.dtype)  # the forward's tiling: the same loop, one more dot pair
+    segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
+    inputs = (q2, k2, v2, o2, lse, dq2, dk2, dv2) + segs
+    return C.call(
+        functools.partial(_jvp_kernel, d=d, bq=bq, bk=bk), name="attention_jvp",
+        grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
+        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * _flops(d),
+        transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
+        bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2),
+    )(*inputs)

@@ -1,4 +1,4 @@
-"""silu, gelu, swiglu, gated_linear_unit, glu and softmax: custom_vjp ops with fused backward kernels.
+"""silu, gelu, swiglu, gated_linear_unit, glu and softmax: custom-derivative ops with fused backward kernels.
 
 Forward (XLA): computed in float32 (float64 stays float64), output in the input's dtype.
 Saved for the backward: the inputs only, nothing derived (the activation is recomputed,
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxbwd.pallas import activations as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 
@@ -46,13 +47,17 @@ def _check_limit(op, limit):
 
 
 # -------------------------------------------------------------------------------- silu
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_op, nondiff_argnums=(1,))
 def _silu(x, impl):
     return _act("silu", _cf(x)).astype(x.dtype)
 
 
 def _silu_fwd(x, impl):
-    return _silu(x, impl), x
+    return _silu.fun(x, impl), x
+
+
+def _silu_tangent(impl, x, dx):
+    return (_cf(dx) * kernels.silu_and_grad(_cf(x))[1]).astype(x.dtype)
 
 
 def _silu_bwd(impl, x, dy):
@@ -62,6 +67,7 @@ def _silu_bwd(impl, x, dy):
 
 
 _silu.defvjp(_silu_fwd, _silu_bwd)
+_silu.deftangent(_silu_tangent)
 
 
 def silu(x, *, implementation=None):
@@ -92,13 +98,18 @@ def silu(x, *, implementation=None):
 
 
 # -------------------------------------------------------------------------------- gelu
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(custom_op, nondiff_argnums=(1, 2))
 def _gelu(x, approximate, impl):
     return _act("gelu" if approximate else "gelu_exact", _cf(x)).astype(x.dtype)
 
 
 def _gelu_fwd(x, approximate, impl):
-    return _gelu(x, approximate, impl), x
+    return _gelu.fun(x, approximate, impl), x
+
+
+def _gelu_tangent(approximate, impl, x, dx):
+    da = kernels.gelu_and_grad(_cf(x), approximate=approximate, erf=jax.lax.erf)[1]
+    return (_cf(dx) * da).astype(x.dtype)
 
 
 def _gelu_bwd(approximate, impl, x, dy):
@@ -109,6 +120,7 @@ def _gelu_bwd(approximate, impl, x, dy):
 
 
 _gelu.defvjp(_gelu_fwd, _gelu_bwd)
+_gelu.deftangent(_gelu_tangent)
 
 
 def gelu(x, *, approximate=True, implementation=None):
@@ -141,14 +153,18 @@ def gelu(x, *, approximate=True, implementation=None):
 
 
 # ------------------------------------------------------------------------------ swiglu
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(custom_op, nondiff_argnums=(2, 3))
 def _swiglu(gate, up, limit, impl):
     g, u = _clamp(_cf(gate), _cf(up), limit)
     return (_act("silu", g) * u).astype(gate.dtype)
 
 
 def _swiglu_fwd(gate, up, limit, impl):
-    return _swiglu(gate, up, limit, impl), (gate, up)
+    return _swiglu.fun(gate, up, limit, impl), (gate, up)
+
+
+def _swiglu_tangent(limit, impl, res, dgate, dup):
+    return jax.jvp(lambda g, u: _swiglu.fun(g, u, limit, impl), res, (dgate, dup))[1]
 
 
 def _swiglu_bwd(limit, impl, res, dy):
@@ -160,6 +176,7 @@ def _swiglu_bwd(limit, impl, res, dy):
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_swiglu.deftangent(_swiglu_tangent)
 
 
 def swiglu(gate, up, *, limit=None, implementation=None):
@@ -201,14 +218,18 @@ def _halves(x):
     return x[..., :d], x[..., d:]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+@functools.partial(custom_op, nondiff_argnums=(1, 2, 3), name="gated_linear_unit")
 def _glu(x, activation, limit, impl):
     g, u = _clamp(*_halves(_cf(x)), limit)
     return (_act(activation, g) * u).astype(x.dtype)
 
 
 def _glu_fwd(x, activation, limit, impl):
-    return _glu(x, activation, limit, impl), x
+    return _glu.fun(x, activation, limit, impl), x
+
+
+def _glu_tangent(activation, limit, impl, x, dx):
+    return jax.jvp(lambda x: _glu.fun(x, activation, limit, impl), (x,), (dx,))[1]
 
 
 def _glu_bwd(activation, limit, impl, x, dy):
@@ -223,6 +244,7 @@ def _glu_bwd(activation, limit, impl, x, dy):
 
 
 _glu.defvjp(_glu_fwd, _glu_bwd)
+_glu.deftangent(_glu_tangent)
 
 
 def gated_linear_unit(x, *, activation="silu", limit=None, implementation=None):
@@ -267,14 +289,18 @@ def gated_linear_unit(x, *, activation="silu", limit=None, implementation=None):
 
 
 # --------------------------------------------------------------------------------- glu
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(custom_op, nondiff_argnums=(1, 2), name="glu")
 def _sigmoid_glu(x, axis, impl):
     x1, x2 = jnp.split(_cf(x), 2, axis=axis)
     return (x1 * jax.nn.sigmoid(x2)).astype(x.dtype)
 
 
 def _sigmoid_glu_fwd(x, axis, impl):
-    return _sigmoid_glu(x, axis, impl), x
+    return _sigmoid_glu.fun(x, axis, impl), x
+
+
+def _sigmoid_glu_tangent(axis, impl, x, dx):
+    return jax.jvp(lambda x: _sigmoid_glu.fun(x, axis, impl), (x,), (dx,))[1]
 
 
 def _sigmoid_glu_bwd(axis, impl, x, dy):
@@ -286,6 +312,7 @@ def _sigmoid_glu_bwd(axis, impl, x, dy):
 
 
 _sigmoid_glu.defvjp(_sigmoid_glu_fwd, _sigmoid_glu_bwd)
+_sigmoid_glu.deftangent(_sigmoid_glu_tangent)
 
 
 def glu(x, axis=-1, *, implementation=None):
@@ -331,7 +358,7 @@ def _axis(op, x, axis) -> int:
 
 
 # ----------------------------------------------------------------------------- softmax
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(custom_op, nondiff_argnums=(1, 2))
 def _softmax(x, axis, impl):
     xf = _cf(x)
     m = jnp.max(xf, axis=axis, keepdims=True)
@@ -342,8 +369,13 @@ def _softmax(x, axis, impl):
 
 
 def _softmax_fwd(x, axis, impl):
-    y = _softmax(x, axis, impl)
+    y = _softmax.fun(x, axis, impl)
     return y, y
+
+
+def _softmax_tangent(axis, impl, y, dx):
+    yf, dxf = _cf(y), _cf(dx)
+    return (yf * (dxf - jnp.sum(yf * dxf, axis=axis, keepdims=True))).astype(y.dtype)
 
 
 def _softmax_bwd(axis, impl, y, dy):
@@ -358,6 +390,7 @@ def _softmax_bwd(axis, impl, y, dy):
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax.deftangent(_softmax_tangent)
 
 
 def softmax(x, axis=-1, where=None, *, implementation=None):

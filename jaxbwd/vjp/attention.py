@@ -1,4 +1,4 @@
-"""dot_product_attention: custom_vjp whose residuals are q, k, v, out and the f32 logsumexp.
+"""dot_product_attention: custom derivatives whose residuals are q, k, v, out and the f32 logsumexp.
 
 Pallas path: the flash-attention forward kernel emits out and lse; the backward runs the
 FlashAttention-2 dk/dv and dq kernels (``jaxbwd/pallas/attention.py``). XLA path: the same
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxbwd.pallas import attention as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 from jaxbwd.sharding import vary_like
 
@@ -154,7 +155,45 @@ def _xla_bwd(q, k, v, qseg, kseg, o, lse, do, cfg):
     return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
 
 
-# ------------------------------------------------------------------------ the custom_vjp
+def _xla_tangent(q, k, v, qseg, kseg, o, lse, dq, dk, dv, cfg):
+    """Output tangent from the residuals, blockwise over keys (no T x S array is held).
+
+    With P = softmax(S) recomputed from lse and dS the logits' tangent
+    (``scale * (dq k^T + q dk^T)``, times ``1 - tanh^2`` under a softcap):
+    ``dO = P dV + (P * dS) V - rowsum(P * dS) * O``, since
+    ``dP = P * (dS - rowsum(P * dS))``. One pass over key blocks accumulates the first two
+    terms and the row sums; memory O(T) like the forward.
+    """
+    Bsz, T, N, H = q.shape
+    S = k.shape[1]
+    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg)
+    dqf, dkb, dvb, _, _, _ = _xla_prep(dq, dk, dv, kseg, cfg)
+    K, G = qf.shape[1], qf.shape[2]
+    of = o.astype(acc).reshape(Bsz, T, K, G, H).transpose(0, 2, 3, 1, 4)
+    lse = lse.astype(acc).reshape(Bsz, K, G, T)
+
+    def step(carry, xs):
+        do, rs = carry
+        kj, vj, dkj, dvj, ksj, cols = xs
+        s, t = _xla_logits(cfg, qf, kj, acc)
+        mask = _xla_mask(cfg, T, cols, qseg, ksj) & (cols < S)
+        p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lse[..., None], 0.0)), 0.0)
+        ds = (jnp.einsum("bkgth,bksh->bkgts", dqf, kj.astype(acc))
+              + jnp.einsum("bkgth,bksh->bkgts", qf, dkj.astype(acc))) * cfg.scale
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        pds = p * ds
+        do = do + jnp.einsum("bkgts,bksh->bkgth", p, dvj.astype(acc)) \
+            + jnp.einsum("bkgts,bksh->bkgth", pds, vj.astype(acc))
+        return (do, rs + jnp.sum(pds, axis=-1)), None
+
+    init = (jnp.zeros(qf.shape, acc), jnp.zeros(qf.shape[:-1], acc))
+    (do, rs), _ = jax.lax.scan(step, vary_like(init, qf, kb, dqf), (kb, vb, dkb, dvb, ksb, colsb))
+    do = do - rs[..., None] * of
+    return do.transpose(0, 3, 1, 2, 4).reshape(Bsz, T, N, H).astype(q.dtype)
+
+
+# ------------------------------------------------------------------- the custom derivative
 def _fwd_impl(q, k, v, qseg, kseg, cfg: _Cfg):
     if not cfg.impl.pallas:
         return _xla_fwd(q, k, v, qseg, kseg, cfg)
@@ -166,7 +205,7 @@ def _fwd_impl(q, k, v, qseg, kseg, cfg: _Cfg):
     return o2.reshape(q.shape), lse.reshape(d.B, d.N, d.T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(custom_op, nondiff_argnums=(5,), name=OP)
 def _attention(q, k, v, qseg, kseg, cfg):
     return _fwd_impl(q, k, v, qseg, kseg, cfg)[0]
 
@@ -192,6 +231,22 @@ def _attention_bwd(cfg, res, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _attention_tangent(cfg, res, dq, dk, dv, dqseg, dkseg):
+    q, k, v, qseg, kseg, out, lse = res
+    if not cfg.impl.pallas:
+        return _xla_tangent(*res, dq, dk, dv, cfg)
+    d = _dims(q, k, cfg)
+    qv, kv = (d.B * d.T, d.N * d.H), (d.B * d.S, d.K * d.H)
+    do = kernels.attention_jvp(
+        q.reshape(qv), k.reshape(kv), v.reshape(kv), qseg, kseg, out.reshape(qv), lse.reshape(d.B * d.N, d.T),
+        dq.reshape(qv), dk.reshape(kv), dv.reshape(kv), d, interpret=cfg.impl.interpret,
+    )
+    return do.reshape(q.shape)
+
+
+_attention.deftangent(_attention_tangent)
 
 
 # ----------------------------------------------------------------------------- checks

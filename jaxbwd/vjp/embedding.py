@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxbwd.pallas import embedding as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 
@@ -40,7 +41,7 @@ def _shard_offset(V_local, axes):
     return jax.lax.axis_index(axes) * V_local if axes else 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(custom_op, nondiff_argnums=(2, 3, 4))
 def _embed(ids, table, padding_idx, impl, axes):
     return _embed_fwd(ids, table, padding_idx, impl, axes)[0]
 
@@ -74,6 +75,8 @@ def _embed_bwd(padding_idx, impl, axes, res, dy):
 
 
 _embed.defvjp(_embed_fwd, _embed_bwd)
+# Linear in the table: the tangent is the lookup of the table's tangent.
+_embed.deftangent(lambda padding_idx, impl, axes, res, _, dtable: _embed.fun(res[0], dtable, padding_idx, impl, axes))
 
 
 def embed(ids, table, *, padding_idx=None, implementation=None):

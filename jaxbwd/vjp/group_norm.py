@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxbwd.pallas import group_norm as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 ACTIVATIONS = (None, "silu")
@@ -67,7 +68,7 @@ def _xla_bwd(x, w, b, dy, mean, rstd, G, silu):
     return dx.reshape(x.shape).astype(x.dtype), dw, db
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(custom_op, nondiff_argnums=(3, 4, 5, 6))
 def _group_norm(x, weight, bias, num_groups, eps, silu, impl):
     return _forward(x, weight, bias, num_groups, eps, silu)[0]
 
@@ -92,6 +93,15 @@ def _group_norm_bwd(num_groups, eps, silu, impl, res, dy):
 
 
 _group_norm.defvjp(_group_norm_fwd, _group_norm_bwd)
+
+
+def _group_norm_tangent(num_groups, eps, silu, impl, res, dx, dw, db):
+    x, weight, bias = res[:3]
+    f = lambda x, w, b: _forward(x, w, b, num_groups, eps, silu)[0]
+    return jax.jvp(f, (x, weight, bias), (dx, dw, db))[1]
+
+
+_group_norm.deftangent(_group_norm_tangent)
 
 
 def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implementation=None):

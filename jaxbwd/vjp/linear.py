@@ -14,13 +14,14 @@ import numpy as np
 
 from jaxbwd.pallas import linear as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 
 # ------------------------------------------------------------------------------ matmul
 # out_sharding: under an explicit mesh each product states its result's sharding (a
 # gradient keeps its operand's), as JAX's own dot_general transpose does; None elsewhere.
-@jax.custom_vjp
+@custom_op
 def _matmul(x, w):
     acc = B.acc_dtype(x, w)
     y = jnp.matmul(x, w, preferred_element_type=acc, out_sharding=S.matmul_out_spec(x, w))
@@ -28,7 +29,7 @@ def _matmul(x, w):
 
 
 def _matmul_fwd(x, w):
-    return _matmul(x, w), (x, w)
+    return _matmul.fun(x, w), (x, w)
 
 
 def _matmul_bwd(res, dy):
@@ -40,6 +41,8 @@ def _matmul_bwd(res, dy):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+# Bilinear: d(x @ w) = dx @ w + x @ dw.
+_matmul.deftangent(lambda res, dx, dw: _matmul.fun(dx, res[1]) + _matmul.fun(res[0], dw))
 
 
 def matmul(x, w, *, implementation=None):
@@ -76,14 +79,14 @@ def matmul(x, w, *, implementation=None):
 
 
 # ---------------------------------------------------------------------------- bias_add
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(custom_op, nondiff_argnums=(2,))
 def _bias_add(x, bias, impl):
     return (x + bias.astype(x.dtype)).astype(x.dtype)
 
 
 def _bias_add_fwd(x, bias, impl):
     # Nothing but bias's dtype is needed for the backward: dx = dy, dbias = sum(dy).
-    return _bias_add(x, bias, impl), jnp.zeros((0,), bias.dtype)
+    return _bias_add.fun(x, bias, impl), jnp.zeros((0,), bias.dtype)
 
 
 def _bias_add_bwd(impl, res, dy):
@@ -96,6 +99,7 @@ def _bias_add_bwd(impl, res, dy):
 
 
 _bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
+_bias_add.deftangent(lambda impl, res, dx, db: _bias_add.fun(dx, db, impl))  # linear
 
 
 def bias_add(x, bias, *, implementation=None):
@@ -127,12 +131,13 @@ def bias_add(x, bias, *, implementation=None):
 
 
 # ------------------------------------------------------------------------------- scale
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_op, nondiff_argnums=(1,))
 def _scale(x, factor):
     return (x * factor).astype(x.dtype)
 
 
-_scale.defvjp(lambda x, f: (_scale(x, f), None), lambda f, _, dy: ((dy * f).astype(dy.dtype),))
+_scale.defvjp(lambda x, f: (_scale.fun(x, f), None), lambda f, _, dy: ((dy * f).astype(dy.dtype),))
+_scale.deftangent(lambda f, _, dx: _scale.fun(dx, f))  # linear
 
 
 def scale(x, factor, *, implementation=None):
@@ -168,7 +173,7 @@ def _unbroadcast(g, shape, dtype):
     return g.reshape(shape).astype(dtype)
 
 
-@jax.custom_vjp
+@custom_op
 def _residual_add(a, b):
     return jnp.add(a, b)
 
@@ -176,7 +181,7 @@ def _residual_add(a, b):
 def _residual_add_fwd(a, b):
     # Only shapes and dtypes are needed: kept as zero-size arrays, not the operands.
     # Zero-size carriers of each operand's shape and dtype: 0 bytes saved.
-    return _residual_add(a, b), (jnp.zeros(a.shape + (0,), a.dtype), jnp.zeros(b.shape + (0,), b.dtype))
+    return _residual_add.fun(a, b), (jnp.zeros(a.shape + (0,), a.dtype), jnp.zeros(b.shape + (0,), b.dtype))
 
 
 def _residual_add_bwd(res, dy):
@@ -185,6 +190,7 @@ def _residual_add_bwd(res, dy):
 
 
 _residual_add.defvjp(_residual_add_fwd, _residual_add_bwd)
+_residual_add.deftangent(lambda res, da, db: _residual_add.fun(da, db))  # linear
 
 
 def residual_add(a, b, *, implementation=None):

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxbwd.pallas import losses as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -124,9 +125,32 @@ def _xla_bwd(x2, lab, m, s, g, eps, z, V):
     return d.astype(x2.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+@functools.partial(custom_op, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
     return _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes)[0]
+
+
+def _cross_entropy_tangent(ignore_index, eps, z, reduction, impl, V, axes, res, dlogits, _):
+    """Per row, with p = exp(x - m) / s the softmax from the saved max and sum:
+    dloss = (1 + 2 z lse) sum(p * dx) - (1 - eps) dx[label] - eps/V sum(dx)."""
+    logits, lab, m, s = res
+    x2, lead = B.rows(logits)
+    acc = m.dtype
+    xf, dxf = x2.astype(acc), dlogits.reshape(x2.shape).astype(acc)
+    inv_s = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+    p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * inv_s[:, None]
+    local = _shard_labels(lab, x2.shape[-1], axes)
+    dlse = jnp.sum(p * dxf, axis=-1)
+    dxl = jnp.where(local >= 0, jnp.take_along_axis(dxf, jnp.maximum(local, 0)[:, None], axis=-1)[:, 0], 0.0)
+    dsx = jnp.sum(dxf, axis=-1) if eps else jnp.zeros_like(dlse)
+    if axes:  # each vocabulary shard holds part of each sum
+        dlse, dxl, dsx = (jax.lax.psum(t, axes) for t in (dlse, dxl, dsx))
+    dloss = dlse - (1.0 - eps) * dxl
+    if z:
+        dloss = dloss + 2.0 * z * _lse(m, jnp.where(s > 0, s, 1.0)) * dlse
+    if eps:
+        dloss = dloss - (eps / V) * dsx
+    return _reduce(jnp.where(lab >= 0, dloss, 0.0), lab, lead, reduction, logits.dtype)
 
 
 def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
@@ -151,6 +175,7 @@ def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_cross_entropy.deftangent(_cross_entropy_tangent)
 
 
 def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing):

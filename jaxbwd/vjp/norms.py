@@ -1,4 +1,4 @@
-"""rms_norm and layer_norm: custom_vjp with f32 row statistics as residuals.
+"""rms_norm and layer_norm: custom derivatives with f32 row statistics as residuals.
 
 Forward (XLA): statistics in f32, output in x's dtype. Saved for the backward: x, weight
 and the per-row f32 statistics (rstd, and mean for layer_norm): 4 or 8 bytes per row
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxbwd.pallas import norms as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 
@@ -58,7 +59,7 @@ def _bwd(impl, x2, w, dy, mean, rstd, offset):
 
 
 # ---------------------------------------------------------------------------- rms_norm
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(custom_op, nondiff_argnums=(2, 3, 4))
 def _rms_norm(x, weight, eps, offset, impl):
     x2, lead = B.rows(x)
     _, rstd = _stats(x2, eps, False)
@@ -79,6 +80,14 @@ def _rms_norm_bwd(eps, offset, impl, res, dy):
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def _rms_norm_tangent(eps, offset, impl, res, dx, dw):
+    x, weight, _ = res
+    return jax.jvp(lambda x, w: _rms_norm.fun(x, w, eps, offset, impl), (x, weight), (dx, dw))[1]
+
+
+_rms_norm.deftangent(_rms_norm_tangent)
 
 
 def _check_norm_args(op, x, eps, **params):
@@ -122,7 +131,7 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
 
 
 # -------------------------------------------------------------------------- layer_norm
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(custom_op, nondiff_argnums=(3, 4))
 def _layer_norm(x, weight, bias, eps, impl):
     x2, _ = B.rows(x)
     mean, rstd = _stats(x2, eps, True)
@@ -144,6 +153,16 @@ def _layer_norm_bwd(eps, impl, res, dy):
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def _layer_norm_tangent(eps, impl, res, dx, dw, db):
+    x, weight, _, _, _ = res
+    zero_bias = jnp.zeros_like(db)  # y is affine in the bias: its tangent is db itself
+    dy = jax.jvp(lambda x, w: _layer_norm.fun(x, w, zero_bias, eps, impl), (x, weight), (dx, dw))[1]
+    return (dy.astype(B.acc_dtype(dy)) + db.astype(B.acc_dtype(dy))).astype(dy.dtype)
+
+
+_layer_norm.deftangent(_layer_norm_tangent)
 
 
 def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):

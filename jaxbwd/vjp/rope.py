@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxbwd.pallas import rope as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 
@@ -61,7 +62,7 @@ def _rotate(x, pos, freqs, interleaved, sign):
     return y.astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(custom_op, nondiff_argnums=(2, 3, 4))
 def _rope(x, pos, freqs, interleaved, impl):
     return _rotate(x, pos, freqs, interleaved, 1.0)
 
@@ -81,6 +82,7 @@ def _rope_bwd(freqs, interleaved, impl, pos, dy):
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
+_rope.deftangent(lambda freqs, interleaved, impl, pos, dx, _: _rotate(dx, pos, freqs, interleaved, 1.0))  # linear
 
 
 def _is_static_int(v):

@@ -1,4 +1,4 @@
-"""reshape and row_slice: metadata and slicing ops with explicit XLA backward rules."""
+"""reshape and row_slice: metadata and slicing ops with explicit XLA backward and tangent rules."""
 from __future__ import annotations
 
 import functools
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_op, nondiff_argnums=(1,))
 def _reshape(x, shape):
     return x.reshape(shape)
 
@@ -20,6 +21,7 @@ _reshape.defvjp(
     lambda x, shape: (x.reshape(shape), jnp.zeros(x.shape + (0,), x.dtype)),
     lambda shape, proto, dy: (dy.reshape(proto.shape[:-1]),),
 )
+_reshape.deftangent(lambda shape, _, dx: dx.reshape(shape))  # linear
 
 
 def reshape(x, shape, *, implementation=None):
@@ -60,13 +62,13 @@ def reshape(x, shape, *, implementation=None):
     return _reshape(x, shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(custom_op, nondiff_argnums=(2,))
 def _row_slice(x, start, size):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
 def _row_slice_fwd(x, start, size):
-    return _row_slice(x, start, size), (start, jnp.zeros(x.shape + (0,), x.dtype))
+    return _row_slice.fun(x, start, size), (start, jnp.zeros(x.shape + (0,), x.dtype))
 
 
 def _row_slice_bwd(size, res, dy):
@@ -76,6 +78,7 @@ def _row_slice_bwd(size, res, dy):
 
 
 _row_slice.defvjp(_row_slice_fwd, _row_slice_bwd)
+_row_slice.deftangent(lambda size, res, dx, _: _row_slice.fun(dx, res[0], size))  # linear in x
 
 
 def row_slice(x, start, size, *, implementation=None):

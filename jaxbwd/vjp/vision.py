@@ -19,6 +19,7 @@ import numpy as np
 from jaxbwd.pallas import conv as conv_kernels
 from jaxbwd.pallas import vision as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
 
 UPSAMPLE_METHODS = ("nearest", "bilinear")
@@ -78,7 +79,7 @@ def _bilinear_apply(x, sh, sw, transpose=False):
     return jnp.einsum("qw,npwc->npqc", mw, y, precision=hi)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+@functools.partial(custom_op, nondiff_argnums=(1, 2, 3, 4))
 def _upsample2d(x, sh, sw, bilinear, impl):
     if bilinear:
         return _bilinear_apply(x, sh, sw).astype(x.dtype)
@@ -86,7 +87,7 @@ def _upsample2d(x, sh, sw, bilinear, impl):
 
 
 def _upsample2d_fwd(x, sh, sw, bilinear, impl):
-    return _upsample2d(x, sh, sw, bilinear, impl), None
+    return _upsample2d.fun(x, sh, sw, bilinear, impl), None
 
 
 def _upsample2d_bwd(sh, sw, bilinear, impl, res, dy):
@@ -100,6 +101,7 @@ def _upsample2d_bwd(sh, sw, bilinear, impl, res, dy):
 
 
 _upsample2d.defvjp(_upsample2d_fwd, _upsample2d_bwd)
+_upsample2d.deftangent(lambda sh, sw, bilinear, impl, _, dx: _upsample2d.fun(dx, sh, sw, bilinear, impl))  # linear
 
 
 def upsample2d(x, scale, *, method="nearest", implementation=None):
@@ -149,7 +151,7 @@ def _unshuffle(dy, r):
     return y.reshape(N, Hr // r, Wr // r, Cc * r * r)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(custom_op, nondiff_argnums=(1, 2))
 def _pixel_shuffle(x, r, impl):
     return _shuffle(x, r)
 
@@ -161,6 +163,7 @@ def _pixel_shuffle_bwd(r, impl, res, dy):
 
 
 _pixel_shuffle.defvjp(lambda x, r, impl: (_shuffle(x, r), None), _pixel_shuffle_bwd)
+_pixel_shuffle.deftangent(lambda r, impl, _, dx: _shuffle(dx, r))  # linear
 
 
 def pixel_shuffle(x, upscale_factor, *, implementation=None):
@@ -211,7 +214,7 @@ def _patchify(dy, gh, gw, p, Cc):
     return y.reshape(N, gh * gw, p * p * Cc)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+@functools.partial(custom_op, nondiff_argnums=(1, 2, 3, 4, 5), name="unpatchify")
 def _unpatchify_op(tokens, gh, gw, p, Cc, impl):
     return _unpatchify(tokens, gh, gw, p, Cc)
 
@@ -223,6 +226,7 @@ def _unpatchify_bwd(gh, gw, p, Cc, impl, res, dy):
 
 
 _unpatchify_op.defvjp(lambda t, gh, gw, p, Cc, impl: (_unpatchify(t, gh, gw, p, Cc), None), _unpatchify_bwd)
+_unpatchify_op.deftangent(lambda gh, gw, p, Cc, impl, _, dt: _unpatchify(dt, gh, gw, p, Cc))  # linear
 
 
 def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
@@ -282,13 +286,13 @@ def _conv_forward(x, w, geo: conv_kernels.ConvGeometry, dt):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(custom_op, nondiff_argnums=(2, 3))
 def _conv2d(x, w, geo, impl):
     return _conv_forward(x, w, geo, B.acc_dtype(x, w)).astype(x.dtype)
 
 
 def _conv2d_fwd(x, w, geo, impl):
-    return _conv2d(x, w, geo, impl), (x, w)
+    return _conv2d.fun(x, w, geo, impl), (x, w)
 
 
 def _conv2d_bwd(geo, impl, res, dy):
@@ -307,6 +311,8 @@ def _conv2d_bwd(geo, impl, res, dy):
 
 
 _conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+# Bilinear: d conv(x, w) = conv(dx, w) + conv(x, dw).
+_conv2d.deftangent(lambda geo, impl, res, dx, dw: _conv2d.fun(dx, res[1], geo, impl) + _conv2d.fun(res[0], dw, geo, impl))
 
 
 def _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw):

@@ -1,0 +1,378 @@
+"""The custom-derivative wiring of every op: one primitive carrying a VJP, a JVP, a
+transpose and a batching rule.
+
+Why this mechanism. An op must keep its reverse rule exactly (what its fwd rule saves,
+its Pallas backward kernels) and also run under ``jax.jvp``, ``jax.linearize``,
+``jax.jacfwd`` and second order. JAX's stock tools each give half of that:
+
+* ``jax.custom_vjp`` has no forward mode at all ("can't apply forward-mode autodiff
+  (jvp) to a custom_vjp function"), and its linear part has no transpose rule either.
+* ``jax.custom_jvp`` derives reverse mode by transposing the JVP, so the backward would be
+  XLA's transpose of a formula: the Pallas backward kernels and the chosen residuals
+  would be lost.
+* ``custom_jvp`` around ``jax.custom_derivatives.linear_call`` (tangent map forward, the
+  backward kernel as its transpose) gives jvp and grad, but ``linear_call`` has no
+  batching rule (no ``jacfwd``, no ``vmap`` of a ``jvp``) and no derivative of its own
+  (no Hessian-vector products).
+* JAX's "hijax" primitives (``jax.experimental.hijax.HiPrim``, JAX >= 0.12; see JAX's
+  ``docs/hijax_custom_derivatives.md``) let one primitive define ``vjp_fwd``/``vjp_bwd``
+  (the op's fwd and bwd rules, unchanged), ``jvp``, ``transpose`` and ``batch``. That is
+  what is used here.
+
+Two primitives per op application:
+
+* ``_Op`` (the op). ``grad``/``vjp`` call its fwd rule (the residuals the op declares) and
+  its bwd rule (the Pallas kernels or the XLA formula). ``jvp``/``linearize`` run the fwd
+  rule and apply ``_Tangent`` to the residuals and input tangents.
+* ``_Tangent`` (the op's linearisation at the saved residuals): evaluated forward it is the
+  op's tangent formula; transposed it is the op's bwd rule, so reverse mode taken through
+  a JVP (``lax.scan``/``cond``/``remat`` linearise their bodies that way) still runs the
+  backward kernels on the same residuals; its own JVP is the JVP of the tangent formula.
+
+Both batch by vmapping their rules (``vmap`` of ``grad``, ``jacfwd``, per-example
+gradients), with unbatched residuals (a shared weight) left unbatched.
+
+Second order on the kernel path: a rule that runs Pallas kernels (``Impl.pallas``) is
+wrapped in a ``jax.custom_jvp`` whose JVP is the JVP of the same rule with the XLA
+implementation (the op's XLA formula, which the tests hold equal to the kernels), so
+``grad(grad)``, ``hessian`` and gradient penalties differentiate the backward kernels
+through their formulas, as ``*_double_grad`` ops do. First-order derivatives still run
+the kernels.
+
+On JAX < 0.12 the hijax API is absent: ops are plain ``jax.custom_vjp`` (reverse mode,
+including the kernel path's second order, unchanged) and forward mode raises a
+``NotImplementedError`` naming the op and the transformation.
+
+Each op file declares rules with the ``jax.custom_vjp`` spelling plus one tangent rule,
+and never sees which mechanism runs them::
+
+    @functools.partial(custom_op, nondiff_argnums=(1,))
+    def _silu(x, impl): ...
+    _silu.defvjp(_silu_fwd, _silu_bwd)          # fwd(x, impl) -> (y, res); bwd(impl, res, dy)
+    _silu.deftangent(_silu_tangent)             # tangent(impl, res, dx) -> dy, linear in dx
+
+Conventions the rules follow: the resolved :class:`jaxbwd.vjp._base.Impl` is a nondiff
+argument, directly or as the ``impl`` field of a frozen dataclass; the bwd rule returns
+one cotangent per differentiable argument (``None`` for integer arrays); the tangent rule
+receives ``None`` for integer arguments' tangents and zeros for symbolic-zero tangents.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxbwd.vjp import _base as B
+
+try:  # JAX >= 0.12: the primitive API this module is built on (pinned here only).
+    from jax.experimental import hijax as _hijax
+    from jax._src.interpreters import batching as _batching
+
+    _HAVE_HIJAX = all(hasattr(_hijax, n) for n in ("HiPrim", "vmap_rule", "linearize_from_jvp",
+                                                    "vjp_from_jvp", "GradAccum", "Zero", "unmap_avals"))
+    _HAVE_HIJAX = _HAVE_HIJAX and tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+except ImportError:  # pragma: no cover - old JAX
+    _hijax = _batching = None
+    _HAVE_HIJAX = False
+
+FORWARD_MODE = _HAVE_HIJAX
+"""Whether forward-mode derivatives (jvp, linearize, jacfwd, hessian) are available."""
+
+_FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
+
+
+# ----------------------------------------------------------------- the XLA twin of a rule
+def _xla_twin(value):
+    """``value`` with every :class:`Impl` switched to the XLA implementation (else None)."""
+    if isinstance(value, B.Impl):
+        return dataclasses.replace(value, kind="xla") if value.pallas else None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        impl = getattr(value, "impl", None)
+        if isinstance(impl, B.Impl) and impl.pallas:
+            return dataclasses.replace(value, impl=dataclasses.replace(impl, kind="xla"))
+    return None
+
+
+def _differentiable(rule: Callable, nondiff: tuple) -> Callable:
+    """``rule(*nondiff, ...)`` whose own derivative, on the Pallas path, is the XLA rule's.
+
+    A ``pallas_call`` has no JVP rule, so a kernel inside a fwd/bwd rule that a second
+    derivative reaches would fail; the kernels compute the same function as the XLA
+    formula, so the formula's JVP is the kernel's.
+    """
+    twins = [_xla_twin(v) for v in nondiff]
+    if all(t is None for t in twins):
+        return functools.partial(rule, *nondiff)
+    xla_nondiff = tuple(v if t is None else t for v, t in zip(nondiff, twins))
+
+    @jax.custom_jvp
+    def kernel(*args):
+        return rule(*nondiff, *args)
+
+    @kernel.defjvp
+    def _(primals, tangents):
+        return jax.jvp(functools.partial(rule, *xla_nondiff), primals, tangents)
+
+    return kernel
+
+
+# ----------------------------------------------------------------------- the rules object
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rules:
+    """One application's rules, taking the dynamic arguments only (nondiff ones bound).
+
+    primal(*args) -> out; fwd(*args) -> (out, res); bwd(res, ct) -> cts (one per arg,
+    None for integer args); tangent(res, tangents) -> out tangent. Under vmap a primitive
+    is rebuilt with the rules vmapped (``_batched_rules``).
+    """
+
+    name: str
+    primal: Callable
+    fwd: Callable
+    bwd: Callable
+    tangent: Optional[Callable]
+
+
+class _StaticDims:
+    """Residual batch dimensions, carried through the residual pytree as static data."""
+
+    def __init__(self, dims):
+        self.dims = dims
+
+
+jax.tree_util.register_pytree_node(_StaticDims, lambda s: ((), s.dims), lambda dims, _: _StaticDims(dims))
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.floating) or jnp.issubdtype(aval.dtype, jnp.complexfloating)
+
+
+def _unsupported(op: str, what: str):
+    raise NotImplementedError(
+        f"jaxbwd.{op}: {what} is not supported by this op's custom derivative"
+    )
+
+
+if _HAVE_HIJAX:
+    _Zero = _hijax.Zero
+    _GradAccum = _hijax.GradAccum
+
+    def _inst(x):
+        if isinstance(x, _Zero):
+            return jnp.zeros(x.aval.shape, x.aval.dtype)
+        return x
+
+    def _batched_rules(rules: _Rules, axis_data, dims: tuple) -> _Rules:
+        """The rules of the op vmapped over ``dims`` (outputs batched at 0)."""
+        vr = _hijax.vmap_rule
+        primal = vr(axis_data, rules.primal, dims, 0)
+        infer = _batching.infer
+
+        def fwd(*args):
+            (out, res), (_, res_dims) = vr(axis_data, rules.fwd, dims, (0, infer))(*args)
+            return out, (res, _StaticDims(res_dims))
+
+        def bwd(res, ct):
+            res, rd = res
+            return _batched_bwd(rules, axis_data, dims, res, rd.dims, ct)
+
+        def tangent(res, tangents):
+            res, rd = res
+            return vr(axis_data, rules.tangent, (rd.dims, dims), 0)(res, tangents)
+
+        return _Rules(rules.name, primal, fwd, bwd, tangent if rules.tangent is not None else None)
+
+    def _batched_bwd(rules, axis_data, dims, res, res_dims, ct):
+        """vmap of the bwd rule; cotangents of unbatched arguments are summed over the batch."""
+        probe = jax.eval_shape(lambda r, c: rules.bwd(r, c), *_unbatched_shapes(axis_data, res, res_dims, ct))
+        out_axes = tuple(None if p is None else (_batching.sum_axis if d is None else d)
+                         for p, d in zip(probe, dims))
+        return _hijax.vmap_rule(axis_data, rules.bwd, (res_dims, 0), out_axes, sum_match=True)(res, ct)
+
+    def _unbatched_shapes(axis_data, res, res_dims, ct):
+        def drop(x, d):
+            if x is None or d is None:
+                return x
+            shape = x.shape[:d] + x.shape[d + 1:]
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+
+        res_u = jax.tree_util.tree_map(drop, res, res_dims, is_leaf=lambda x: x is None)
+        return res_u, jax.ShapeDtypeStruct(ct.shape[1:], ct.dtype)
+
+    class _Tangent(_hijax.HiPrim):
+        """The op's linear map at fixed residuals: forward the tangent rule, transpose the bwd rule."""
+
+        def __init__(self, rules: _Rules, res_avals, t_avals, out_aval):
+            self.in_avals = (res_avals, t_avals)
+            self.out_aval = out_aval
+            self.params = dict(rules=rules)
+            super().__init__()
+
+        def expand(self, res, tangents):
+            return self.rules.tangent(res, tangents)
+
+        def transpose(self, out_ct, res, tangents):
+            if any(isinstance(x, _GradAccum) for x in jax.tree_util.tree_leaves(res)):
+                _unsupported(self.rules.name, "transposing the tangent map with respect to its residuals")
+            cts = self.rules.bwd(res, _inst(out_ct))
+            for acc, ct in zip(tangents, cts):
+                if isinstance(acc, _GradAccum) and ct is not None:
+                    acc.accum(ct)
+
+        def jvp(self, primals, tangents):
+            res, ts = primals
+            dres, dts = jax.tree_util.tree_map(_inst, tangents, is_leaf=lambda x: isinstance(x, _Zero))
+            return jax.jvp(self.rules.tangent, (res, ts), (dres, dts))
+
+        lin, linearized = _hijax.linearize_from_jvp
+        vjp_fwd, vjp_bwd_retval = _hijax.vjp_from_jvp
+
+        def batch(self, axis_data, args, dims):
+            res, ts = args
+            res_dims, t_dims = dims
+            rules = self.rules
+            vr = _hijax.vmap_rule
+            tangent = vr(axis_data, rules.tangent, (res_dims, t_dims), 0)
+
+            def bwd(res, ct):
+                return _batched_bwd(rules, axis_data, t_dims, res, res_dims, ct)
+
+            new_rules = _Rules(rules.name, rules.primal, rules.fwd, bwd, tangent)
+            out = _Tangent(new_rules, *_avals_of(res, ts), _aval_like(self.out_aval, axis_data))
+            return out(res, ts), 0
+
+    def _aval_like(aval, axis_data):
+        return _hijax.unmap_avals(axis_data, aval, 0)
+
+    def _avals_of(*trees):
+        return tuple(jax.tree_util.tree_map(jax.typeof, t) for t in trees)
+
+    class _Op(_hijax.HiPrim):
+        """One op application: grad through its fwd/bwd rules, jvp through ``_Tangent``."""
+
+        def __init__(self, rules: _Rules, in_avals, out_aval):
+            self.in_avals = tuple(in_avals)
+            self.out_aval = out_aval
+            self.params = dict(rules=rules)
+            super().__init__()
+
+        def expand(self, *args):
+            return self.rules.primal(*args)
+
+        def vjp_fwd(self, nzs_in, *args):
+            return self.rules.fwd(*args)
+
+        def vjp_bwd(self, res, outgrad, *arg_accums):
+            cts = self.rules.bwd(res, _inst(outgrad))
+            for acc, ct in zip(arg_accums, cts):
+                if isinstance(acc, _GradAccum) and ct is not None:
+                    acc.accum(ct)
+
+        def _tangent_in(self, tangents):
+            return tuple(
+                None if a is None or not _is_float(a) else _inst(t)
+                for a, t in zip(self.in_avals, tangents)
+            )
+
+        def _apply_tangent(self, res, tangents):
+            if self.rules.tangent is None:
+                _unsupported(self.rules.name, "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)")
+            ts = self._tangent_in(tangents)
+            t_out_aval = self.out_aval.to_tangent_aval()
+            prim = _Tangent(self.rules, *_avals_of(res, ts), t_out_aval)
+            return prim(res, ts)
+
+        def jvp(self, primals, tangents):
+            out, res = self.rules.fwd(*primals)
+            return out, self._apply_tangent(res, tangents)
+
+        def lin(self, nzs_in, *primals):
+            return self.rules.fwd(*primals)
+
+        def linearized(self, res, *tangents):
+            return self._apply_tangent(res, tangents)
+
+        def batch(self, axis_data, args, dims):
+            if all(d is None for d in dims):
+                return self(*args), None
+            rules = _batched_rules(self.rules, axis_data, tuple(dims))
+            in_avals = [None if a is None else jax.typeof(a) for a in args]
+            out_aval = _aval_like(self.out_aval, axis_data)
+            return _Op(rules, in_avals, out_aval)(*args), 0
+
+
+# ------------------------------------------------------------------------- the decorator
+class custom_op:
+    """A drop-in for ``jax.custom_vjp`` that also carries a tangent (JVP) rule.
+
+    ``defvjp(fwd, bwd)`` as for ``jax.custom_vjp``; ``deftangent(tangent)`` with
+    ``tangent(*nondiff_args, res, *tangents) -> out_tangent``, linear in the tangents,
+    computed from the fwd rule's residuals only (so a JVP that is transposed, e.g. inside
+    ``lax.scan``, saves what the VJP saves).
+    """
+
+    def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = (), name: Optional[str] = None):
+        self.fun = fun
+        self.nondiff_argnums = tuple(sorted(nondiff_argnums))
+        self.name = name or fun.__name__.lstrip("_")  # the public op's name, for errors
+        self.fwd = self.bwd = self.tangent = None
+        functools.update_wrapper(self, fun)
+
+    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        self.fwd, self.bwd = fwd, bwd
+
+    def deftangent(self, tangent: Callable) -> None:
+        self.tangent = tangent
+
+    def _split(self, args):
+        nondiff = tuple(args[i] for i in self.nondiff_argnums)
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
+        return nondiff, dyn
+
+    def _full(self, nondiff, dyn):
+        it_n, it_d = iter(nondiff), iter(dyn)
+        n = len(nondiff) + len(dyn)
+        return tuple(next(it_n) if i in self.nondiff_argnums else next(it_d) for i in range(n))
+
+    def _rules(self, nondiff) -> _Rules:
+        n = len(nondiff)
+        # fun and fwd take the full argument list; bwd and tangent take nondiff args first.
+        full = lambda f: (lambda *a: f(*self._full(a[:n], a[n:])))
+        primal = functools.partial(full(self.fun), *nondiff)
+        fwd = _differentiable(full(self.fwd), nondiff)
+        bwd = _differentiable(self.bwd, nondiff)
+        tangent = None
+        if self.tangent is not None:
+            rule = self.tangent
+            tangent = _differentiable(lambda *a: rule(*a[:n], a[n], *a[n + 1]), nondiff)
+        return _Rules(self.name, primal, fwd, bwd, tangent)
+
+    def __call__(self, *args):
+        nondiff, dyn = self._split(args)
+        if not _HAVE_HIJAX:
+            return self._call_custom_vjp(nondiff, dyn)
+        dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
+        rules = self._rules(nondiff)
+        in_avals = [None if a is None else jax.typeof(a) for a in dyn]
+        # Traced (not eval_shape) so that the output's aval keeps the inputs' varying manual
+        # axes inside a vma-checked shard_map.
+        out_aval = jax.make_jaxpr(rules.primal)(*dyn).out_avals[0]
+        return _Op(rules, in_avals, out_aval)(*dyn)
+
+    def _call_custom_vjp(self, nondiff, dyn):
+        rules = self._rules(nondiff)
+        f = jax.custom_vjp(rules.primal)
+        f.defvjp(rules.fwd, lambda res, ct: tuple(rules.bwd(res, ct)))
+        try:
+            return f(*dyn)
+        except TypeError as e:
+            if any(m in str(e) for m in _FORWARD_MODE_ERRORS):
+                raise NotImplementedError(
+                    f"jaxbwd.{self.name}: forward-mode differentiation (jax.jvp, jax.linearize, "
+                    f"jax.jacfwd, jax.hessian) needs jax >= 0.12, got jax {jax.__version__}; "
+                    "reverse mode (jax.grad, jax.vjp, grad of grad) works"
+                ) from e
+            raise
