@@ -218,6 +218,15 @@ def _tile(ref, b, L, rows, head, H, Hp, rmask):
     return idx, mask, C.load(ref, idx, mask, dtype=ref.dtype)
 
 
+def _query_block(d: Dims, bq: int):
+    """Where a program over (query block i, b*N + n) works: i, bh, b, n, its kv head, the
+    query rows and their in-bounds mask (the forward, dq and jvp kernels share this grid)."""
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, n = bh // d.N, bh % d.N
+    rows = i * bq + jnp.arange(bq)
+    return i, bh, b, n, n // d.G, rows, rows < d.T
+
+
 def _segs(d: Dims, qs_ref, ks_ref, b, rows, rmask, cols, cmask):
     if not d.segments:
         return None, None
@@ -232,11 +241,7 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
         q_ref, k_ref, v_ref, qs_ref, ks_ref, bnd_ref, o_ref, lse_ref = refs
     else:
         (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
-    i, bh = pl.program_id(0), pl.program_id(1)
-    b, n = bh // d.N, bh % d.N
-    kvh = n // d.G
-    rows = i * bq + jnp.arange(bq)
-    rmask = rows < d.T
+    i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
     q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
@@ -351,11 +356,7 @@ def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dq_ref = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
-    i, bh = pl.program_id(0), pl.program_id(1)
-    b, n = bh // d.N, bh % d.N
-    kvh = n // d.G
-    rows = i * bq + jnp.arange(bq)
-    rmask = rows < d.T
+    i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
     q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     lse = C.load(lse_ref, (bh, rows), rmask)
@@ -415,11 +416,7 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
     else:
         (q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, do_ref), qs_ref, ks_ref, bnd_ref = (
             refs, None, None, None)
-    i, bh = pl.program_id(0), pl.program_id(1)
-    b, n = bh // d.N, bh % d.N
-    kvh = n // d.G
-    rows = i * bq + jnp.arange(bq)
-    rmask = rows < d.T
+    i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
     o_idx, o_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     _, _, dq = _tile(dq_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     lse = C.load(lse_ref, (bh, rows), rmask)

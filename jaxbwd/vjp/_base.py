@@ -115,6 +115,22 @@ def check_same_dtype(op: str, names: Sequence[str], arrays: Sequence[Any]) -> No
         raise TypeError(f"jaxbwd.{op}: {', '.join(names)} must share one dtype, got {got}")
 
 
+def apply_where(op: str, x_name: str, x: Any, where: Any) -> Any:
+    """``x`` with -inf where the boolean ``where`` is False (jax.nn's and optax's ``where``).
+
+    Raises TypeError for a non-boolean ``where``, ValueError when it does not broadcast to x.
+    """
+    check_array(op, "where", where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(f"jaxbwd.{op}: where must be a boolean array, got {where.dtype}")
+    try:
+        mask = jnp.broadcast_to(where, x.shape)
+    except ValueError:
+        raise ValueError(f"jaxbwd.{op}: where must broadcast to {x_name}'s shape {tuple(x.shape)}, "
+                         f"got {tuple(where.shape)}") from None
+    return jnp.where(mask, x, jnp.asarray(-jnp.inf, x.dtype))
+
+
 def rows(x):
     """[..., D] -> [R, D] (free reshape) and the leading shape to restore."""
     lead = x.shape[:-1]

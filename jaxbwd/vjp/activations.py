@@ -436,15 +436,7 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
         axes = (_axis(op, x, axis),)
     impl = B.impl(implementation, op, x)
     if where is not None:
-        B.check_array(op, "where", where)
-        if where.dtype != jnp.bool_:
-            raise TypeError(f"jaxbwd.softmax: where must be a boolean array, got {where.dtype}")
-        try:
-            mask = jnp.broadcast_to(where, x.shape)
-        except ValueError:
-            raise ValueError(f"jaxbwd.softmax: where must broadcast to x's shape {tuple(x.shape)}, "
-                             f"got {tuple(where.shape)}") from None
-        x = jnp.where(mask, x, jnp.asarray(-jnp.inf, x.dtype))
+        x = B.apply_where(op, "x", x, where)
     if len(axes) == 1:
         return _softmax_last(x, axes[0], impl)
     axes = tuple(sorted(axes))

@@ -200,18 +200,11 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
 
     if where is not None:
         B.check_array(op, "where", where)
-        if where.dtype != jnp.bool_:
-            raise TypeError(f"jaxbwd.{op}: where must be a boolean array, got {where.dtype}")
         if B.check_static_number(op, "label_smoothing", label_smoothing) != 0.0:
             raise ValueError(f"jaxbwd.{op}: where needs label_smoothing == 0, got {label_smoothing!r}")
         if where.ndim != logits.ndim:
             where = jnp.expand_dims(where, axes)
-        try:
-            where = jnp.broadcast_to(where, logits.shape)
-        except ValueError:
-            raise ValueError(f"jaxbwd.{op}: where must broadcast to logits' shape {tuple(logits.shape)}, "
-                             f"got {tuple(where.shape)}") from None
-        logits = jnp.where(where, logits, jnp.asarray(-jnp.inf, logits.dtype))
+        logits = B.apply_where(op, "logits", logits, where)
     logits = last(logits)
     if where is not None:
         B.check_int(op, "labels", labels)
