@@ -187,17 +187,31 @@ def missing_requirements() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One compile: an op's lowering example, its float inputs cast to ``dtype``, for ``gpu``."""
+    """One compile: an op's lowering example, its float inputs cast to ``dtype``, for ``gpu``.
+
+    ``mode`` "vjp" compiles the forward and the backward (the op's ``kernels``); "jvp" the
+    forward and the tangent pass of ``jax.jvp`` (its ``jvp_kernels``), whose shape name
+    starts with ``jvp:``.
+    """
 
     op: str
     example: int  # index into the op's ``lowering`` examples
     shape_name: str
     dtype: str
     gpu: str
+    mode: str = "vjp"
 
     @property
     def id(self) -> str:
         return f"{self.op}/{self.shape_name}/{self.dtype}/{self.gpu}"
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The registry's kernel names this case must produce."""
+        from jaxbwd import registry
+
+        spec = registry.get(self.op)
+        return spec.jvp_kernels if self.mode == "jvp" else spec.kernels
 
 
 DTYPES = ("float32", "bfloat16")
@@ -210,7 +224,8 @@ def _shape_name(name: str) -> str:
 
 def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
           gpus: Sequence[str] = ("h200",)) -> list[Case]:
-    """Every (op, lowering example, dtype, gpu) to compile, from the registry.
+    """Every (op, lowering example, dtype, gpu) to compile, from the registry: the forward
+    and backward of each, and the forward and tangent pass of ops with ``jvp_kernels``.
 
     Examples that differ only in dtype collapse into one case per dtype.
     """
@@ -232,6 +247,8 @@ def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
             for dt in dtypes:
                 for g in gpus:
                     out.append(Case(spec.name, i, name, dt, g))
+                    if spec.jvp_kernels:
+                        out.append(Case(spec.name, i, f"jvp:{name}", dt, g, mode="jvp"))
     return out
 
 
@@ -442,7 +459,9 @@ def _case_function(case: Case):
 
     The cotangent is an argument, as in training, so that XLA does not fold a constant into
     the backward and the op's minimum bytes are well defined: every array input and ``ct``
-    read once, every gradient written once.
+    read once, every gradient written once. For a "jvp" case the function is
+    ``jvp(*arrays, *tangents) -> (out, tangent_out)`` and the minimum bytes are the inputs and
+    tangents read once, the output and its tangent written once.
     """
     import jax
     import jax.numpy as jnp
@@ -478,10 +497,20 @@ def _case_function(case: Case):
         f, diff = forward(*arrays)
         return f(*diff)
 
+    def jvp(*arrays_and_tangents):
+        arrays, tangents = arrays_and_tangents[:len(array_idx)], arrays_and_tangents[len(array_idx):]
+        f, diff = forward(*arrays)
+        return jax.jvp(f, tuple(diff), tuple(tangents))
+
     from jaxbwd import config
 
     arrays = [args[i] for i in array_idx]
     with config.use(interpret=True):  # shapes only: no kernel is built for a device here
+        if case.mode == "jvp":
+            _, diff = forward(*arrays)
+            arrays += [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in diff]
+            outs = jax.eval_shape(jvp, *arrays)
+            return jvp, arrays, sum(_nbytes(a) for a in arrays) + sum(_nbytes(o) for o in outs)
         out = jax.eval_shape(primal, *arrays)
         arrays.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
         grads = jax.eval_shape(bwd, *arrays)
@@ -677,12 +706,10 @@ def _meta(case_list, jobs, seconds) -> dict[str, Any]:
 
 def missing_kernels(report: dict[str, Any], case_list: Iterable[Case]) -> list[str]:
     """``case id: kernel`` for every registry kernel a case's compile did not produce."""
-    from jaxbwd import registry
-
     got = {(r["op"], r["case"], r["dtype"], r["gpu"], r["kernel"]) for r in report["rows"]}
     failed = {f["case"] for f in report["failures"]}
     return [f"{c.id}: {k}" for c in case_list if c.id not in failed
-            for k in registry.get(c.op).kernels if (c.op, c.shape_name, c.dtype, c.gpu, k) not in got]
+            for k in c.kernels if (c.op, c.shape_name, c.dtype, c.gpu, k) not in got]
 
 
 # ------------------------------------------------------------------------- reporting

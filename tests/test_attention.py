@@ -17,6 +17,7 @@ import pytest
 from jaxbwd import config, reference as ref
 from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import attention as PA
+from jaxbwd.vjp._derivatives import FORWARD_MODE
 from jaxbwd.vjp.attention import dot_product_attention
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -121,6 +122,29 @@ def test_default_blocks_multi_tile_bf16_head_dim_96():
     assert PA._blocks(d, "dq", jnp.bfloat16)[:2] == (128, 64)
     assert PA._blocks(d, "dq", jnp.float32)[:2] == (64, 64)
     _check("pallas", 1, 200, 150, 2, 1, 96, dtype="bfloat16", blocks=None, is_causal=True)
+
+
+@pytest.mark.skipif(not FORWARD_MODE, reason="forward mode needs jax >= 0.12")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jvp_kernel_default_blocks_multi_tile(dtype):
+    # The tangent kernel's own tiling (f32 takes 64 x 32: 128 x 64 tiles of its seven
+    # operands need 288 KB of shared memory), over several query and key blocks with
+    # ragged tails, causal, GQA.
+    d = PA.Dims(1, 200, 150, 4, 2, 96, 96**-0.5, True, None, None, False)
+    assert PA._blocks(d, "jvp", jnp.float32)[:2] == (64, 32)
+    q, k, v, dq = _inputs(1, 200, 150, 4, 2, 96, dtype)
+    _, dk, dv, _ = _inputs(1, 200, 150, 4, 2, 96, dtype, seed=1)
+    f = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="pallas")
+    jvp = lambda *a: jax.jvp(f, a[:3], a[3:])
+    out, tangent = jax.jit(jvp)(q, k, v, dq, dk, dv)
+    with config.use(interpret=False):
+        assert "attention_jvp" in C.triton_kernel_names(C.lower_for_gpu(jvp, q, k, v, dq, dk, dv))
+    f32 = lambda x: x.astype(jnp.float32)
+    g = lambda q, k, v: ref.dot_product_attention(q, k, v, is_causal=True)
+    want, want_t = jax.jvp(g, tuple(map(f32, (q, k, v))), tuple(map(f32, (dq, dk, dv))))
+    assert tangent.dtype == q.dtype
+    _close(out, want, TOL[dtype])
+    _close(tangent, want_t, TOL[dtype])
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

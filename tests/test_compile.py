@@ -31,9 +31,13 @@ KNOWN_SPILLS = {
     ("rope_bwd", "float32", "a100"): 32, ("rope_bwd", "bfloat16", "a100"): 32,
     ("upsample2d_bwd", "float32", "h200"): 8, ("upsample2d_bwd", "bfloat16", "h200"): 8,
     ("upsample2d_bwd", "float32", "a100"): 8,
+    # The tangent pass (jax.jvp) at head_dim 80-128: 8 warps at 255 registers on sm_80.
+    ("attention_jvp", "float32", "a100"): 600, ("attention_jvp", "bfloat16", "a100"): 56,
+    ("attention_jvp", "float32", "h200"): 24,
 }
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
-EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "cross_entropy_fwd", "cross_entropy_bwd"}
+EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp",
+             "cross_entropy_fwd", "cross_entropy_bwd"}
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
 GPUS = ("h200", "a100")
 MISSING = deviceless.missing_requirements()
@@ -129,10 +133,13 @@ def test_kernels_compile_for_gpus(op, jobs):
     assert not report["failures"], report["failures"]
     assert not deviceless.missing_kernels(report, cs)
     spec = registry.get(op)
+    if spec.jvp_kernels:
+        assert any(c.mode == "jvp" for c in cs), f"{op}'s tangent kernels are not compiled"
     for r in report["rows"]:
         where = f"{r['kernel']} {r['case']} {r['dtype']} {r['gpu']}"
         target = deviceless.GPUS[r["gpu"]]
-        assert r["kernel"] in spec.kernels, f"unexpected kernel {where}"
+        allowed = spec.jvp_kernels if r["case"].startswith("jvp:") else spec.kernels
+        assert r["kernel"] in allowed, f"unexpected kernel {where}"
         # Figures read from XLA's kernel cache and cuobjdump: consistent with each other.
         assert r["threads"] == 32 * r["num_warps"], where
         assert 1 <= r["registers"] <= 255, where

@@ -84,7 +84,7 @@ def block_sizes(block_q: int, block_k: int):
 
 
 def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
-    """(block_q, block_k, num_warps) for kernel ``kind``: "fwd", "dkdv" or "dq".
+    """(block_q, block_k, num_warps) for kernel ``kind``: "fwd", "dkdv", "dq" or "jvp".
 
     Head dims over 64 run 8 warps (two warpgroups). Hopper's wgmma splits a dot's M rows
     between the warpgroups only when M >= 128; with 64-row accumulators both warpgroups
@@ -104,6 +104,12 @@ def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
         bq, bk = over
     elif kind == "fwd":
         bq, bk = (128, 64) if d.Hp <= 128 else (64, 32)
+    elif kind == "jvp":
+        # The forward's loop with twice the tiles (k, v, dk, dv per key block; q, dq, o per
+        # query block) and twice the live [block_q, block_k] values (P and dS): the forward's
+        # 128x64 tiles need 288 KB of shared memory in f32 and spill on sm_80 and at 4 warps.
+        wide = num_warps == 8 and jnp.dtype(dtype).itemsize == 2 and C.sm_version() >= 90
+        bq, bk = (128, 64) if wide and d.Hp <= 128 else (64, 32)
 
     elif d.Hp > 128:
         bq, bk = 32, 32
@@ -461,7 +467,7 @@ def attention_jvp(q2, k2, v2, qseg, kseg, o2, lse, dq2, dk2, dv2, d: Dims, *, in
     Returns:
       dO [B*T, N*H] in q's dtype.
     """
-    bq, bk, nw = _blocks(d, "fwd", q2.dtype)  # the forward's tiling: the same loop, one more dot pair
+    bq, bk, nw = _blocks(d, "jvp", q2.dtype)
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2, o2, lse, dq2, dk2, dv2) + segs
     return C.call(
