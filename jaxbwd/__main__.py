@@ -110,7 +110,12 @@ def _bench(args) -> int:
     if why:  # a backend this machine cannot time: one line, no traceback
         print(f"error: {why}", file=sys.stderr)
         return 2
-    report = bench.run(args.ops, size=args.size, implementation=args.implementation, repeats=args.repeats)
+    try:
+        report = bench.run(args.ops, size=args.size, implementation=args.implementation, repeats=args.repeats,
+                           mode=args.mode)
+    except ValueError as e:  # e.g. jvp mode on a jax without forward mode: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(bench.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -201,6 +206,9 @@ def main(argv=None) -> int:
     pb.add_argument("--implementation", choices=["pallas", "xla"], default=None,
                     help="what to time against autodiff: pallas (the compiled kernels; needs a GPU) or xla "
                          "(jaxbwd's XLA backward). Default: pallas on GPU, xla elsewhere")
+    pb.add_argument("--mode", choices=["vjp", "jvp"], default="vjp",
+                    help="vjp: forward + backward against jax.grad of the reference (default); jvp: forward + "
+                         "tangent (jax.jvp, jax >= 0.12) against jax.jvp of the reference")
     pb.add_argument("--repeats", type=int, default=10, help="timed runs per op after 2 warm-up runs; the median "
                     "is reported (default 10)")
     pb.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")

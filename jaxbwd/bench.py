@@ -1,9 +1,12 @@
-"""Benchmarks: ``python -m jaxbwd bench [--ops ...] [--size small|llm] [--json PATH] [--plot PATH]``.
+"""Benchmarks: ``python -m jaxbwd bench [--ops ...] [--size small|llm] [--mode vjp|jvp] [--json PATH] [--plot PATH]``.
 
 For every op, in one run: forward + backward time of jaxbwd and of ``jax.grad`` of the
 op's plain reference (XLA autodiff), the ratio, achieved bandwidth, residual bytes and
 compiled temporary memory. Timing is the median of repeated runs after warm-up, each
-ended by ``block_until_ready``.
+ended by ``block_until_ready``. ``--mode jvp`` times forward mode instead: ``jax.jvp`` of
+the op (its fwd rule and tangent rule: the ``attention_jvp`` kernel on the Pallas path)
+against ``jax.jvp`` of the reference (XLA's forward-mode autodiff); bytes moved count the
+tangents like the inputs, and there are no residuals.
 
 What is counted:
 - bytes moved = differentiable and integer inputs read + output cotangent read + gradients
@@ -45,10 +48,11 @@ class BenchRow:
     gb_s: float
     of_copy: float
     tflop_s: Optional[float]
-    residual_bytes: int
-    residual_bytes_autodiff: int
+    residual_bytes: Optional[int]  # None in jvp mode (nothing is saved)
+    residual_bytes_autodiff: Optional[int]
     temp_bytes: Optional[int]
     temp_bytes_autodiff: Optional[int]
+    mode: str = "vjp"
 
 
 def _materialise(args, key):
@@ -114,14 +118,40 @@ def _temp_bytes(fn, *args) -> Optional[int]:
         return None
 
 
-def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: float, repeats: int = 10) -> BenchRow:
-    """Times one op's forward + backward against autodiff of its reference."""
+def jvp_step(f, n):
+    """``g(*primals, *tangents) = jax.jvp(f, primals, tangents)`` for ``f`` of ``n`` arrays."""
+    return lambda *d_and_t: jax.jvp(f, tuple(d_and_t[:n]), tuple(d_and_t[n:]))
+
+
+def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: float, repeats: int = 10,
+             mode: str = "vjp") -> BenchRow:
+    """Times one op's forward + backward (``mode="vjp"``) or forward + tangent
+    (``mode="jvp"``) against autodiff of its reference."""
     args, kwargs = bench_inputs(spec, size, jax.random.PRNGKey(0))
     diff = [args[i] for i in spec.diff_argnums]
 
     ours = spec.bind(args, kwargs, implementation=implementation)
     theirs = spec.bind(args, kwargs, spec.reference)
     out_shape = jax.eval_shape(ours, *diff)
+    flops = spec.flops(*args, **kwargs) if spec.flops else None
+    shapes = " ".join("x".join(map(str, a.shape)) + ":" + jnp.dtype(a.dtype).name for a in args if hasattr(a, "shape"))
+    if mode == "jvp":
+        keys = jax.random.split(jax.random.PRNGKey(1), len(diff))
+        tangents = [jax.random.normal(k, d.shape, jnp.float32).astype(d.dtype) for k, d in zip(keys, diff)]
+        step_ours, step_ref = jax.jit(jvp_step(ours, len(diff))), jax.jit(jvp_step(theirs, len(diff)))
+        t_ours = median_time(step_ours, *diff, *tangents, repeats=repeats)
+        t_ref = median_time(step_ref, *diff, *tangents, repeats=repeats)
+        moved = _nbytes(args) + _nbytes(tangents) + 2 * _nbytes(out_shape)
+        gb_s = moved / t_ours / 1e9
+        return BenchRow(
+            op=spec.name, shapes=shapes, implementation=implementation, mode=mode,
+            ms=t_ours * 1e3, ms_autodiff=t_ref * 1e3, speedup=t_ref / t_ours,
+            gb_s=gb_s, of_copy=gb_s / copy_gb_s if copy_gb_s else 0.0,
+            # the tangent pass is about the forward's FLOPs again (attention: 2 of its 3.5 units)
+            tflop_s=(flops * 4 / 7 / t_ours / 1e12) if flops else None,
+            residual_bytes=None, residual_bytes_autodiff=None,
+            temp_bytes=_temp_bytes(step_ours, *diff, *tangents), temp_bytes_autodiff=_temp_bytes(step_ref, *diff, *tangents),
+        )
     ct = jax.random.normal(jax.random.PRNGKey(1), out_shape.shape, jnp.float32).astype(out_shape.dtype)
 
     def fwd_bwd(f):
@@ -135,10 +165,8 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
     t_ours = median_time(step_ours, ct, *diff, repeats=repeats)
     t_ref = median_time(step_ref, ct, *diff, repeats=repeats)
     moved = _nbytes(args) + 2 * _nbytes(ct) + _nbytes(diff)
-    flops = spec.flops(*args, **kwargs) if spec.flops else None
     res_ours = _nbytes(jax.vjp(ours, *diff)[1])
     res_ref = _nbytes(jax.vjp(theirs, *diff)[1])
-    shapes = " ".join("x".join(map(str, a.shape)) + ":" + jnp.dtype(a.dtype).name for a in args if hasattr(a, "shape"))
     gb_s = moved / t_ours / 1e9
     return BenchRow(
         op=spec.name, shapes=shapes, implementation=implementation,
@@ -168,7 +196,7 @@ def unavailable(implementation: Optional[str] = None) -> Optional[str]:
 
 
 def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, implementation: Optional[str] = None,
-        repeats: int = 10) -> dict[str, Any]:
+        repeats: int = 10, mode: str = "vjp") -> dict[str, Any]:
     """Benchmarks the named ops (all when ``None``) and returns a JSON-able report.
 
     Args:
@@ -176,13 +204,21 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
         ``None``: :func:`default_size`.
       implementation: defaults to ``jaxbwd.config.default_implementation()``; on CPU that is
         XLA (interpret-mode kernels are not benchmarked).
+      mode: ``"vjp"`` (forward + backward) or ``"jvp"`` (forward + tangent, jax >= 0.12).
 
     Raises:
-      ValueError: unknown size, or Pallas without a GPU (see :func:`unavailable`). KeyError: unknown op.
+      ValueError: unknown size or mode, Pallas without a GPU (see :func:`unavailable`), or
+        jvp mode on a jax without forward mode for the ops. KeyError: unknown op.
     """
     size = size or default_size()
     if size not in ("small", "llm"):
         raise ValueError(f"jaxbwd bench: size must be 'small' or 'llm', got {size!r}")
+    if mode not in ("vjp", "jvp"):
+        raise ValueError(f"jaxbwd bench: mode must be 'vjp' or 'jvp', got {mode!r}")
+    from jaxbwd.vjp._derivatives import FORWARD_MODE
+
+    if mode == "jvp" and not FORWARD_MODE:
+        raise ValueError(f"jaxbwd bench: mode 'jvp' needs jax >= 0.12 (forward mode of the ops), this is jax {jax.__version__}")
     why = unavailable(implementation)
     if why:
         raise ValueError(why)
@@ -190,10 +226,11 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
     copy = copy_bandwidth()
     rows = []
     for spec in registry.ops(ops):
-        rows.append(bench_op(spec, size, impl if spec.has_kernels else "xla", copy, repeats))
+        has_kernels = spec.jvp_kernels if mode == "jvp" else spec.has_kernels
+        rows.append(bench_op(spec, size, impl if has_kernels else "xla", copy, repeats, mode))
     return {
         "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind), "size": size, "copy_gb_s": copy,
+        "device": str(jax.devices()[0].device_kind), "size": size, "mode": mode, "copy_gb_s": copy,
         "rows": [dataclasses.asdict(r) for r in rows],
     }
 
@@ -235,11 +272,15 @@ def format_table(report: dict[str, Any]) -> str:
         return (f"{cells[0]:<{widths[0]}}  {cells[1]:>{widths[1]}}  "
                 + " ".join(f"{c:>{w}}" for c, w in zip(cells[2:], widths[2:])))
 
-    title = (f"jaxbwd bench ({report['size']}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
+    mode = report.get("mode", "vjp")
+    title = (f"jaxbwd bench ({report['size']}{', jvp' if mode == 'jvp' else ''}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
              f"{report['date']}; copy bandwidth {_num(report['copy_gb_s'])} GB/s")
     key = ("ref = jax.grad of the op's plain-jnp reference (XLA autodiff); ms: forward + backward, median; "
            "speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; resid: bytes saved for the backward; "
            "temp: compiled temporary memory")
+    if mode == "jvp":
+        key = ("ref = jax.jvp of the op's plain-jnp reference (XLA forward-mode autodiff); ms: forward + tangent, "
+               "median; speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; temp: compiled temporary memory")
     return "\n".join(textwrap.wrap(title, 120) + [line(head), line(["-" * w for w in widths])]
                      + [line(r) for r in rows] + textwrap.wrap(key, 120))
 
@@ -255,7 +296,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     rows = report["rows"]
     names = [r["op"] for r in rows]
     speed = [r["speedup"] for r in rows]
-    mem = [r["residual_bytes_autodiff"] / max(r["residual_bytes"], 1) for r in rows]
+    mem = [(r["residual_bytes_autodiff"] or 0) / max(r["residual_bytes"] or 0, 1) for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)) + 3, 4))  # + room for the legend
     ax.bar(x - 0.2, speed, 0.4, label="speedup vs autodiff (time)")

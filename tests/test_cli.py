@@ -13,6 +13,7 @@ import pytest
 
 from jaxbwd import __main__ as cli
 from jaxbwd import bench, registry
+from jaxbwd.vjp._derivatives import FORWARD_MODE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -75,6 +76,23 @@ def test_bench_table_fits_120_columns_and_has_no_zero_figures():
     cells = text.splitlines()[3].split()
     assert cells[2:8] == ["0.00012", "12346", "9.9e-06x", "0.00042", "0.400%", "2.5e-05"], cells
     assert "3.00 GiB" in text and "999 MiB" in text and "100 B" in text
+
+
+@pytest.mark.skipif(not FORWARD_MODE, reason="forward mode needs jax >= 0.12")
+def test_bench_jvp_mode_times_forward_mode_against_the_reference(capsys):
+    assert cli.main(["bench", "--mode", "jvp", "--ops", "softmax", "dot_product_attention", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(small, jvp)" in out and "jax.jvp of the op's plain-jnp reference" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("softmax ", "dot_product_attention "))]
+    assert [r[0] for r in rows] == ["softmax", "dot_product_attention"]
+    for r in rows:  # times and speedup are positive figures; no residual columns in forward mode
+        assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[4].rstrip("x")) > 0
+        assert r[8:10] == ["-", "-"], r
+
+
+def test_bench_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match=r"jaxbwd bench: mode must be 'vjp' or 'jvp', got 'hvp'"):
+        bench.run(["silu"], implementation="xla", mode="hvp")
 
 
 def _parser_of(main, argv):
