@@ -3,7 +3,7 @@
 # and no network: installs nothing, runs the tests marked `gpu` (real compiled kernels,
 # numerics vs reference at realistic shapes), then the LLM-size benchmark, and writes
 # the log, JSON and chart to $OUT (or the first argument). Budget: under 8 minutes
-# (the per-step timeouts add up to 445 s).
+# (the per-step timeouts add up to 565 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/results/$(date +%Y-%m-%d)}}
@@ -23,5 +23,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 100 python bench/attention.py --json "$out/attention.json" 2>&1
   echo "== python -m jaxbwd bench --size llm"
   timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
+  echo "== forward mode through attention: attention_jvp kernel vs XLA formula vs jax.jvp of the reference"
+  timeout 60 python bench/attention_jvp.py --implementation pallas 2>&1
+  timeout 60 python bench/attention_jvp.py --implementation xla 2>&1
 } 2>&1 | tee "$log"
 echo "wrote $out"
