@@ -1,8 +1,10 @@
 """jaxbwd: JAX training ops whose backward passes run as Pallas GPU kernels.
 
-Every op is a ``jax.custom_vjp``: the forward saves small residuals (row statistics,
-logsumexp) and the backward runs a Pallas kernel (Triton backend) on GPU, or the same
-formula in XLA elsewhere. Choose per call with ``implementation=None|"pallas"|"xla"``
+Every op declares its reverse rule as a ``jax.custom_vjp`` fwd/bwd pair: the forward
+saves small residuals (row statistics, logsumexp) and the backward runs a Pallas kernel
+(Triton backend) on GPU, or the same formula in XLA elsewhere. On jax >= 0.12 each op is
+one primitive that also carries a tangent rule (``jaxbwd/vjp/_derivatives.py``), so
+forward mode and second order work too. Choose per call with ``implementation=None|"pallas"|"xla"``
 or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
