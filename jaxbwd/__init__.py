@@ -7,6 +7,7 @@ or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
 from jaxbwd.vjp.activations import gated_linear_unit, gelu, glu, silu, softmax, swiglu
+from jaxbwd.vjp.activations import leaky_relu, relu, sigmoid, tanh
 from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.group_norm import group_norm
@@ -27,4 +28,5 @@ __all__ = [
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
+    "relu", "leaky_relu", "sigmoid", "tanh",
 ]

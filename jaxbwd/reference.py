@@ -50,6 +50,26 @@ def gelu(x, *, approximate=True):
     return jax.nn.gelu(_f32(x), approximate=approximate).astype(x.dtype)
 
 
+def relu(x):
+    """Reference ReLU, ``jax.nn.relu`` (Nair & Hinton 2010)."""
+    return jax.nn.relu(x)
+
+
+def leaky_relu(x, negative_slope=0.01):
+    """Reference leaky ReLU, ``jax.nn.leaky_relu`` in float32 (Maas et al. 2013)."""
+    return jax.nn.leaky_relu(_f32(x), negative_slope).astype(x.dtype)
+
+
+def sigmoid(x):
+    """Reference logistic sigmoid, ``jax.nn.sigmoid`` in float32."""
+    return jax.nn.sigmoid(_f32(x)).astype(x.dtype)
+
+
+def tanh(x):
+    """Reference tanh, ``jnp.tanh`` in float32."""
+    return jnp.tanh(_f32(x)).astype(x.dtype)
+
+
 def _clamp(gate, up, limit):
     if limit is None:
         return gate, up

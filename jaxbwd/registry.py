@@ -222,6 +222,45 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),
     ),
     OpSpec(
+        name="relu", family="activations", fn=activations.relu, reference=ref.relu,
+        diff_argnums=(0,), static_params=(), kernels=("relu_bwd",),
+        backward="dx = dy * (y > 0) from the saved output; the Pallas kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
+        name="leaky_relu", family="activations", fn=activations.leaky_relu, reference=ref.leaky_relu,
+        diff_argnums=(0,), static_params=("negative_slope",), kernels=("leaky_relu_bwd",),
+        backward="dx = dy * (x >= 0 ? 1 : slope) from the saved x; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples() + (
+            Example("5x123-slope0.2", lambda k, dt: ((_normal(k, (5, 123), dt), 0.2), {})),
+            Example("5x123-slope-0.5", lambda k, dt: ((_normal(k, (5, 123), dt),), {"negative_slope": -0.5})),
+        ),
+        lowering=_unary_lowering()[:1],
+        bad_inputs=(
+            BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),
+            BadInput("negative_slope", lambda: ((jnp.ones((4,)),), {"negative_slope": "0.1"}), TypeError, r"negative_slope must be a real Python number, got '0.1'"),
+        ),
+        residual_budget=lambda x, *a, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="sigmoid", family="activations", fn=activations.sigmoid, reference=ref.sigmoid,
+        diff_argnums=(0,), static_params=(), kernels=("sigmoid_bwd",),
+        backward="dx = dy * y * (1 - y) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
+        name="tanh", family="activations", fn=activations.tanh, reference=ref.tanh,
+        diff_argnums=(0,), static_params=(), kernels=("tanh_bwd",),
+        backward="dx = dy * (1 - y**2) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
         name="swiglu", family="activations", fn=activations.swiglu, reference=ref.swiglu,
         diff_argnums=(0, 1), static_params=("limit",), kernels=("swiglu_bwd",),
         backward="Pallas: fused elementwise dgate, dup (clamped lanes get 0)",
