@@ -316,3 +316,13 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
         precision=jax.lax.Precision.HIGHEST,
     )
     return y.astype(x.dtype)
+
+
+def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
+    """Reference mean squared error in float32: ``w * (p - t)**2``, mean over elements, sum or none."""
+    r = _f32(predictions) - _f32(targets)
+    sq = r * r if weights is None else _f32(weights) * r * r
+    if reduction == "none":
+        return sq.astype(predictions.dtype)
+    total = jnp.sum(sq)
+    return (total / sq.size if reduction == "mean" else total).astype(predictions.dtype)

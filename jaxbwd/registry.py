@@ -19,6 +19,7 @@ from jaxbwd.vjp import activations, linear, norms, shape
 from jaxbwd.vjp import embedding, losses, rope
 from jaxbwd.vjp import attention
 from jaxbwd.vjp import group_norm as group_norm_ops, vision
+from jaxbwd.vjp import regression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -657,6 +658,39 @@ _SPECS: list[OpSpec] = [
         ),
         # x and w only (aliases of live inputs).
         residual_budget=lambda x, w, **_: _nbytes(x, w),
+    ),
+]
+
+
+def _mse_example(shape, reduction, weighted):
+    def make(k, dt):
+        ks = jax.random.split(k, 3)
+        args = (_normal(ks[0], shape, dt), _normal(ks[1], shape, dt))
+        if weighted:
+            args = args + (jax.random.uniform(ks[2], shape, jnp.float32).astype(dt),)
+        return args, {"reduction": reduction}
+
+    return Example(f"{'x'.join(map(str, shape))}-{reduction}{'-weighted' if weighted else ''}", make,
+                   (0, 1, 2) if weighted else (0, 1))
+
+
+# The seed engine's remaining training ops (losses, regularisation, normalisation, pooling).
+_SPECS += [
+    OpSpec(
+        name="mse_loss", family="losses", fn=regression.mse_loss, reference=ref.mse_loss,
+        diff_argnums=(0, 1), static_params=("reduction",), kernels=(),
+        backward="XLA by design: one fused pass reads p, t (w), writes dp = 2 c w (p - t), dt = -dp (minimum bytes)",
+        examples=(_mse_example((5, 123), "mean", False), _mse_example((2, 3, 96), "sum", True),
+                  _mse_example((1, 1, 1023), "none", True)),
+        bad_inputs=(
+            BadInput("targets shape", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 7))), {}), ValueError, r"targets must have shape \(4, 8\).*got \(4, 7\)"),
+            BadInput("weights shape", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8,))), {}), ValueError, r"weights must have shape \(4, 8\).*got \(8,\)"),
+            BadInput("reduction", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8))), {"reduction": "avg"}), ValueError, r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
+            BadInput("integer targets", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8), jnp.int32)), {}), TypeError, r"targets must have a floating dtype.*got int32"),
+            BadInput("dtypes", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8), jnp.bfloat16)), {}), TypeError, r"predictions, targets must share one dtype"),
+        ),
+        # the inputs only (aliases of live arrays)
+        residual_budget=lambda p, t, w=None, **_: _nbytes(p, t) + (0 if w is None else _nbytes(w)),
     ),
 ]
 
