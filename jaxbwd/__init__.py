@@ -6,6 +6,7 @@ formula in XLA elsewhere. Choose per call with ``implementation=None|"pallas"|"x
 or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
+from jaxbwd.define import define_elementwise, define_op
 from jaxbwd.vjp.activations import gated_linear_unit, gelu, glu, silu, softmax, swiglu
 from jaxbwd.vjp.activations import leaky_relu, relu, sigmoid, tanh
 from jaxbwd.vjp.attention import dot_product_attention
@@ -22,7 +23,7 @@ from jaxbwd.vjp.vision import conv2d, pixel_shuffle, unpatchify, upsample2d
 __version__ = "0.1.0"
 
 __all__ = [
-    "config",
+    "config", "define_op", "define_elementwise",
     "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
     "dot_product_attention", "embed", "rope", "cross_entropy",

@@ -718,7 +718,66 @@ def get(name: str) -> OpSpec:
 
 
 def ops(names: Optional[Sequence[str]] = None) -> list[OpSpec]:
-    """Specs in registry order, optionally restricted to ``names``."""
+    """Specs in registry order, optionally restricted to ``names``; a name ``module:ATTR`` (or
+    ``path/file.py:ATTR``) loads and registers the user's spec(s) there (see :func:`load`)."""
     if not names:
         return list(REGISTRY.values())
-    return [get(n) for n in names]
+    return [get(n) for name in names for n in (load(name) if ":" in name else [name])]
+
+
+# Import paths loaded so far; compile workers (other processes) load them again from here.
+LOADED_ENV = "JAXBWD_LOADED_OPS"
+
+
+def load(path: str) -> list[str]:
+    """Registers the OpSpec (or sequence of OpSpecs) at ``module:ATTR`` or ``file.py:ATTR``.
+
+    Returns the op names. Loading the same spec again is a no-op; the path is remembered in
+    the environment (``JAXBWD_LOADED_OPS``) so that worker processes can load it too.
+
+    Raises:
+      KeyError: the module or attribute cannot be found, or it holds no OpSpec.
+      ValueError: another op of the same name is already registered.
+    """
+    import importlib
+    import importlib.util
+    import os
+
+    mod_name, _, attr = path.rpartition(":")
+    try:
+        if mod_name.endswith(".py"):
+            mspec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+            if mspec is None or not os.path.exists(mod_name):
+                raise ImportError(f"no file {mod_name}")
+            module = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise KeyError(f"jaxbwd: cannot import {mod_name!r} for --ops {path}: {e}") from None
+    if not hasattr(module, attr):
+        raise KeyError(f"jaxbwd: {mod_name} has no attribute {attr!r} (--ops {path})")
+    value = getattr(module, attr)
+    specs = [value] if isinstance(value, OpSpec) else list(value) if isinstance(value, (list, tuple)) else []
+    if not specs or not all(isinstance(s, OpSpec) for s in specs):
+        raise KeyError(f"jaxbwd: {path} must be a jaxbwd.registry.OpSpec or a sequence of them, "
+                       f"got {type(value).__name__}")
+    for s in specs:
+        if REGISTRY.get(s.name) is not s:
+            # A module loaded twice (as a file and as a module) makes equal specs, not the same object.
+            if s.name in REGISTRY and REGISTRY[s.name].family != "user":
+                raise ValueError(f"jaxbwd.registry: op {s.name!r} from {path} clashes with jaxbwd's own op")
+            REGISTRY[s.name] = s
+    loaded = [p for p in os.environ.get(LOADED_ENV, "").split(",") if p]
+    if path not in loaded:
+        os.environ[LOADED_ENV] = ",".join(loaded + [path])
+    return [s.name for s in specs]
+
+
+def load_from_env() -> None:
+    """Loads every import path recorded by :func:`load` (in a worker process)."""
+    import os
+
+    for path in os.environ.get(LOADED_ENV, "").split(","):
+        if path:
+            load(path)
