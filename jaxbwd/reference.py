@@ -326,3 +326,20 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
         return sq.astype(predictions.dtype)
     total = jnp.sum(sq)
     return (total / sq.size if reduction == "mean" else total).astype(predictions.dtype)
+
+
+def dropout(x, rate, *, rng=None, deterministic=False):
+    """Reference dropout: ``x / (1 - rate)`` where the counter-based hash of (key, row, col) of
+    x's [rows, cols] view keeps, else 0 (the mask's definition: ``jaxbwd/pallas/dropout.py``)."""
+    from jaxbwd.pallas import _common as C
+    from jaxbwd.pallas import dropout as D
+
+    if deterministic or rate == 0.0:
+        return x
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    R, Cc = C.as_2d("dropout", x.shape)
+    rows, cols = jnp.arange(R, dtype=jnp.int32)[:, None], jnp.arange(Cc, dtype=jnp.int32)[None, :]
+    keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
+    return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)

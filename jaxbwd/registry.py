@@ -20,6 +20,7 @@ from jaxbwd.vjp import embedding, losses, rope
 from jaxbwd.vjp import attention
 from jaxbwd.vjp import group_norm as group_norm_ops, vision
 from jaxbwd.vjp import regression
+from jaxbwd.vjp import dropout as dropout_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -691,6 +692,28 @@ _SPECS += [
         ),
         # the inputs only (aliases of live arrays)
         residual_budget=lambda p, t, w=None, **_: _nbytes(p, t) + (0 if w is None else _nbytes(w)),
+    ),
+    OpSpec(
+        name="dropout", family="regularization", fn=dropout_ops.dropout, reference=ref.dropout,
+        diff_argnums=(0,), static_params=("rate", "deterministic"), kernels=("dropout_bwd",),
+        backward="Pallas: regenerates the mask from the key (counter-based hash of key, row, col) while scaling dy; saves the key only",
+        examples=tuple(
+            Example(f"{'x'.join(map(str, s))}-rate{r}",
+                    lambda k, dt, s=s, r=r: ((_normal(k, s, dt), r), {"rng": jax.random.PRNGKey(7)}))
+            for s, r in ((ROW_SHAPES[1], 0.1), (ROW_SHAPES[0], 0.5), (ROW_SHAPES[2], 0.9))
+        ),
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt),), {"rate": 0.1, "rng": jax.random.PRNGKey(0)}))
+            for s, dt in ROW_LOWERING[:2]
+        ),
+        bad_inputs=(
+            BadInput("rate", lambda: ((jnp.ones((4, 8)), 1.5), {"rng": jax.random.PRNGKey(0)}), ValueError, r"rate must be in \[0, 1\], got 1.5"),
+            BadInput("no rng", lambda: ((jnp.ones((4, 8)), 0.5), {}), ValueError, r"rng must be a jax.random key when deterministic is False, got None"),
+            BadInput("rng shape", lambda: ((jnp.ones((4, 8)), 0.5), {"rng": jnp.zeros((4,), jnp.uint32)}), ValueError, r"rng must be a threefry key \(key data uint32 \[2\]\), got key data uint32 \(4,\)"),
+            BadInput("deterministic", lambda: ((jnp.ones((4, 8)), 0.5), {"deterministic": 1}), TypeError, r"deterministic must be a Python bool, got 1"),
+            BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32), 0.5), {"rng": jax.random.PRNGKey(0)}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, rate, **_: 8,  # the key's two uint32 words
     ),
 ]
 
