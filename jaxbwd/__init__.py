@@ -15,6 +15,7 @@ from jaxbwd.vjp.group_norm import group_norm
 from jaxbwd.vjp.losses import cross_entropy
 from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.regression import mse_loss
+from jaxbwd.vjp.batch_norm import batch_norm
 from jaxbwd.vjp.dropout import dropout
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
@@ -31,5 +32,5 @@ __all__ = [
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
-    "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout",
+    "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout", "batch_norm",
 ]

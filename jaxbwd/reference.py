@@ -343,3 +343,16 @@ def dropout(x, rate, *, rng=None, deterministic=False):
     rows, cols = jnp.arange(R, dtype=jnp.int32)[:, None], jnp.arange(Cc, dtype=jnp.int32)[None, :]
     keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
     return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
+    """Reference batch norm in training mode (Ioffe & Szegedy 2015): f32 statistics over every
+    axis but ``axis``, biased variance, as flax.linen.BatchNorm."""
+    xf = _f32(x)
+    red = tuple(i for i in range(x.ndim) if i != axis % x.ndim)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    mean = jnp.mean(xf, axis=red, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=red, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * _f32(weight).reshape(shape) + _f32(bias).reshape(shape)
+    return y.astype(x.dtype)

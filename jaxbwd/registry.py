@@ -21,6 +21,7 @@ from jaxbwd.vjp import attention
 from jaxbwd.vjp import group_norm as group_norm_ops, vision
 from jaxbwd.vjp import regression
 from jaxbwd.vjp import dropout as dropout_ops
+from jaxbwd.vjp import batch_norm as batch_norm_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -714,6 +715,35 @@ _SPECS += [
             BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32), 0.5), {"rng": jax.random.PRNGKey(0)}), TypeError, r"x must have a floating dtype"),
         ),
         residual_budget=lambda x, rate, **_: 8,  # the key's two uint32 words
+    ),
+    OpSpec(
+        name="batch_norm", family="norms", fn=batch_norm_ops.batch_norm, reference=ref.batch_norm,
+        diff_argnums=(0, 1, 2), static_params=("eps", "momentum", "training", "axis", "axis_name"),
+        kernels=("batch_norm_bwd_reduce", "batch_norm_bwd_dx"),
+        backward="Pallas: f32 per-channel sums of dy, dy*x_hat from saved mean/rstd (dbias, dweight; partials, no atomics), then dx",
+        examples=tuple(
+            Example(f"{'x'.join(map(str, s))}-axis{ax}",
+                    lambda k, dt, s=s, ax=ax: (
+                        (_normal(k, s, dt), 1.0 + 0.1 * _normal(jax.random.fold_in(k, 1), s[ax:][:1], dt),
+                         0.1 * _normal(jax.random.fold_in(k, 2), s[ax:][:1], dt)), {"axis": ax}))
+            for s, ax in (((4, 5, 6, 24), -1), ((3, 7, 130), -1), ((2, 6, 5, 5), 1))
+        ),
+        # ResNet-50 activations: 64 channels at 112x112, 256 at 56x56, 2048 at 7x7 (batch 32).
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt), _sds(s[-1:], dt), _sds(s[-1:], dt)), {}))
+            for s, dt in (((32, 112, 112, 64), "bfloat16"), ((32, 56, 56, 256), "float32"), ((32, 7, 7, 2048), "bfloat16"))
+        ),
+        bad_inputs=(
+            BadInput("weight length", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((5,)), jnp.ones((6,))), {}), ValueError, r"weight must have shape \(6,\).*got \(5,\)"),
+            BadInput("rank-1 x", lambda: ((jnp.ones((6,)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"x must have rank >= 2.*got shape \(6,\)"),
+            BadInput("one running stat", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"running_mean": jnp.zeros((6,))}), ValueError, r"give both running_mean and running_var or neither"),
+            BadInput("eval without stats", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"training": False}), ValueError, r"training=False normalises with running_mean and running_var; got None"),
+            BadInput("momentum", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"momentum": 1.5}), ValueError, r"momentum must be in \[0, 1\], got 1.5"),
+            BadInput("eps", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
+            BadInput("integer x", lambda: ((jnp.ones((2, 6), jnp.int32), jnp.ones((6,)), jnp.ones((6,))), {}), TypeError, r"x must have a floating dtype.*got int32"),
+        ),
+        # x, weight (aliases of live inputs) plus f32 mean and rstd per channel.
+        residual_budget=lambda x, w, b, axis=-1, **_: _nbytes(x, w) + 8 * x.shape[axis],
     ),
 ]
 
