@@ -1,4 +1,8 @@
 """Cases the registry contract does not cover for mse_loss, dropout, batch_norm and pooling."""
+import os
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -82,3 +86,76 @@ def test_dropout_traced_key_in_a_jitted_step():
 
     g1, g2 = step(x, jax.random.key(1)), step(x, jax.random.key(2))
     assert not np.array_equal(np.asarray(g1 != 0), np.asarray(g2 != 0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kwargs", [{}, {"axis": 1, "momentum": 0.9}, {"use_scale": False, "dtype": jnp.bfloat16}])
+def test_linen_batch_norm_matches_flax(kwargs, impl):
+    """jaxbwd.nn.BatchNorm against flax.linen.BatchNorm: init, training step (outputs, grads,
+    updated batch_stats) and eval with the running statistics."""
+    import flax.linen as fnn
+
+    import jaxbwd.nn as jnn
+
+    x = 2.0 + _normal(0, (4, 5, 6, 8))
+    ours = jnn.BatchNorm(implementation=impl, **kwargs)
+    theirs = fnn.BatchNorm(**kwargs)
+    variables = theirs.init(jax.random.PRNGKey(0), x, False)
+    chex.assert_trees_all_equal_shapes_and_dtypes(ours.init(jax.random.PRNGKey(0), x, False), variables)
+    variables = jax.tree_util.tree_map(lambda v: v + 0.1 * _normal(9, v.shape, v.dtype), variables)
+
+    def loss(module, params, x):
+        y, upd = module.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, False,
+                              mutable=["batch_stats"])
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, upd)
+
+    tol = 2e-2 if kwargs.get("dtype") == jnp.bfloat16 else 1e-5
+    (l1, (y1, u1)), g1 = jax.value_and_grad(lambda p, x: loss(ours, p, x), argnums=(0, 1), has_aux=True)(variables["params"], x)
+    (l2, (y2, u2)), g2 = jax.value_and_grad(lambda p, x: loss(theirs, p, x), argnums=(0, 1), has_aux=True)(variables["params"], x)
+    assert y1.dtype == y2.dtype
+    chex.assert_trees_all_close((y1.astype(jnp.float32), u1), (y2.astype(jnp.float32), u2), atol=tol, rtol=tol)
+    chex.assert_trees_all_close(g1, g2, atol=tol, rtol=tol)
+    ev = lambda m: m.apply(variables, x, use_running_average=True)  # noqa: E731
+    chex.assert_trees_all_close(ev(ours).astype(jnp.float32), ev(theirs).astype(jnp.float32), atol=tol, rtol=tol)
+
+
+BN_SHARDED = r"""
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P, NamedSharding
+import jaxbwd
+from jaxbwd import config, reference as ref
+x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 6, 40))
+w = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(1), (40,)); b = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (40,))
+ct = jax.random.normal(jax.random.PRNGKey(3), x.shape)
+want = jax.vjp(lambda x, w, b: ref.batch_norm(x, w, b), x, w, b)[1](ct)
+mesh = jax.make_mesh((2,), ("d",))
+put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+xs, cts, ws, bs = put(x, P("d")), put(ct, P("d")), put(w, P()), put(b, P())
+# Pallas runs in interpret mode here, which cannot run inside a vma-checked shard_map (JAX's
+# interpreter), so the kernel path runs with check_vma=False and its weight grads are psummed.
+for impl, vma in (("xla", True), ("pallas", False)):
+    def f(x, w, b):
+        return jaxbwd.batch_norm(x, w, b, axis_name="d", implementation=impl)
+    def g(x, w, b, ct):
+        y, vjp = jax.vjp(f, x, w, b)
+        dx, dw, db = vjp(ct)
+        if not vma:
+            dw, db = jax.lax.psum(dw, "d"), jax.lax.psum(db, "d")
+        return y, dx, dw, db
+    sm = jax.shard_map(g, mesh=mesh, in_specs=(P("d"), P(), P(), P("d")), out_specs=(P("d"), P("d"), P(), P()),
+                       check_vma=vma)
+    with config.use(interpret=True):
+        y, *grads = sm(xs, ws, bs, cts)
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip([y, *grads], [ref.batch_norm(x, w, b), *want]))
+    assert err < 1e-4, (impl, err)
+    print(impl, "ok", err)
+"""
+
+
+def test_batch_norm_axis_name_cross_device_statistics():
+    """Two CPU devices, the batch split over them: statistics and gradients as on the whole batch."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", BN_SHARDED], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "xla ok" in r.stdout and "pallas ok" in r.stdout
