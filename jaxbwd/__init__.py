@@ -16,6 +16,7 @@ from jaxbwd.vjp.losses import cross_entropy
 from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.regression import mse_loss
 from jaxbwd.vjp.batch_norm import batch_norm
+from jaxbwd.vjp.pooling import adaptive_avg_pool2d, avg_pool2d, max_pool2d
 from jaxbwd.vjp.dropout import dropout
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
@@ -33,4 +34,5 @@ __all__ = [
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
     "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout", "batch_norm",
+    "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
 ]

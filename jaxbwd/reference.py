@@ -356,3 +356,36 @@ def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
     var = jnp.mean(jnp.square(xf - mean), axis=red, keepdims=True)
     y = (xf - mean) * jax.lax.rsqrt(var + eps) * _f32(weight).reshape(shape) + _f32(bias).reshape(shape)
     return y.astype(x.dtype)
+
+
+def max_pool2d(x, window_shape, strides=None, padding="VALID"):
+    """Reference max pooling: ``flax.linen.max_pool`` (``lax.reduce_window`` max), NHWC."""
+    import flax.linen as fnn
+
+    w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
+    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
+    return fnn.max_pool(x, w, strides=s, padding=padding)
+
+
+def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True):
+    """Reference average pooling: ``flax.linen.avg_pool`` in float32, NHWC."""
+    import flax.linen as fnn
+
+    w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
+    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
+    return fnn.avg_pool(_f32(x), w, strides=s, padding=padding, count_include_pad=count_include_pad).astype(x.dtype)
+
+
+def adaptive_avg_pool2d(x, output_size):
+    """Reference adaptive average pooling (torch's bins) by explicit slices, NHWC."""
+    oh, ow = (output_size,) * 2 if isinstance(output_size, int) else tuple(output_size)
+    H, W = x.shape[1:3]
+    rows = []
+    for i in range(oh):
+        cols = []
+        for j in range(ow):
+            h0, h1 = (i * H) // oh, -(-((i + 1) * H) // oh)
+            w0, w1 = (j * W) // ow, -(-((j + 1) * W) // ow)
+            cols.append(jnp.mean(_f32(x[:, h0:h1, w0:w1, :]), axis=(1, 2)))
+        rows.append(jnp.stack(cols, axis=1))
+    return jnp.stack(rows, axis=1).astype(x.dtype)

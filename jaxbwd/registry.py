@@ -22,6 +22,7 @@ from jaxbwd.vjp import group_norm as group_norm_ops, vision
 from jaxbwd.vjp import regression
 from jaxbwd.vjp import dropout as dropout_ops
 from jaxbwd.vjp import batch_norm as batch_norm_ops
+from jaxbwd.vjp import pooling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -744,6 +745,53 @@ _SPECS += [
         ),
         # x, weight (aliases of live inputs) plus f32 mean and rstd per channel.
         residual_budget=lambda x, w, b, axis=-1, **_: _nbytes(x, w) + 8 * x.shape[axis],
+    ),
+    OpSpec(
+        name="max_pool2d", family="vision", fn=pooling.max_pool2d, reference=ref.max_pool2d,
+        diff_argnums=(0,), static_params=("window_shape", "strides", "padding"), kernels=(),
+        backward="XLA gather form: dy placed at each window's first max by interior-padded pads, summed (no scatter, no atomics)",
+        examples=(
+            Example("2x9x11x3-w3-s2-SAME", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), 3, 2, "SAME"), {})),
+            Example("1x8x8x5-w(2,3)-s(2,1)", lambda k, dt: ((_normal(k, (1, 8, 8, 5), dt), (2, 3), (2, 1)), {})),
+            Example("1x7x6x2-w3-s2-pad", lambda k, dt: ((_normal(k, (1, 7, 6, 2), dt), 3, 2, ((1, 0), (2, 1))), {})),
+        ),
+        bad_inputs=(
+            BadInput("rank", lambda: ((jnp.ones((4, 4, 3)), 2), {}), ValueError, r"x must have rank 4 \(\[N, H, W, C\]\), got shape \(4, 4, 3\)"),
+            BadInput("window", lambda: ((jnp.ones((1, 4, 4, 3)), 0), {}), ValueError, r"window_shape must be an int >= 1 or a pair of them, got 0"),
+            BadInput("padding", lambda: ((jnp.ones((1, 4, 4, 3)), 2, 1, "FULL"), {}), ValueError, r"padding must be 'SAME', 'VALID'"),
+            BadInput("window too big", lambda: ((jnp.ones((1, 2, 2, 3)), 3), {}), ValueError, r"window_shape \(3, 3\) is larger than the padded input \(2, 2\)"),
+            BadInput("integer x", lambda: ((jnp.ones((1, 4, 4, 3), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, w, strides=None, padding="VALID", **_: _nbytes(x, ref.max_pool2d(x, w, strides, padding)),
+    ),
+    OpSpec(
+        name="avg_pool2d", family="vision", fn=pooling.avg_pool2d, reference=ref.avg_pool2d,
+        diff_argnums=(0,), static_params=("window_shape", "strides", "padding", "count_include_pad"), kernels=(),
+        backward="XLA gather form: dy / count spread over each window by interior-padded pads, summed (no scatter, no atomics)",
+        examples=(
+            Example("2x9x11x3-w3-s2-SAME", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), 3, 2, "SAME"), {})),
+            Example("1x7x6x2-w3-s2-pad-exclude", lambda k, dt: ((_normal(k, (1, 7, 6, 2), dt), 3, 2, ((1, 0), (2, 1)), False), {})),
+        ),
+        bad_inputs=(
+            BadInput("strides", lambda: ((jnp.ones((1, 4, 4, 3)), 2, (1, 0)), {}), ValueError, r"strides must be an int >= 1 or a pair of them, got \(1, 0\)"),
+            BadInput("count_include_pad", lambda: ((jnp.ones((1, 4, 4, 3)), 2), {"count_include_pad": 1}), TypeError, r"count_include_pad must be a Python bool, got 1"),
+        ),
+        residual_budget=lambda x, *a, **_: 0,
+    ),
+    OpSpec(
+        name="adaptive_avg_pool2d", family="vision", fn=pooling.adaptive_avg_pool2d, reference=ref.adaptive_avg_pool2d,
+        diff_argnums=(0,), static_params=("output_size",), kernels=(),
+        backward="XLA dots: dx = A_h^T dy A_w with the constant averaging matrices",
+        examples=(
+            Example("2x9x11x3-to(4,3)", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), (4, 3)), {})),
+            Example("1x5x5x4-to1", lambda k, dt: ((_normal(k, (1, 5, 5, 4), dt), 1), {})),
+        ),
+        bad_inputs=(
+            BadInput("output_size", lambda: ((jnp.ones((1, 4, 4, 3)), (2, 0)), {}), ValueError, r"output_size must be an int >= 1 or a pair of them, got \(2, 0\)"),
+            BadInput("rank", lambda: ((jnp.ones((4, 4, 3)), 2), {}), ValueError, r"x must have rank 4"),
+        ),
+        # the two f32 averaging matrices (constants autodiff keeps)
+        residual_budget=lambda x, size, **_: 4 * (x.shape[1] + x.shape[2]) * 8,
     ),
 ]
 

@@ -159,3 +159,26 @@ def test_batch_norm_axis_name_cross_device_statistics():
     r = subprocess.run([sys.executable, "-c", BN_SHARDED], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "xla ok" in r.stdout and "pallas ok" in r.stdout
+
+
+@pytest.mark.parametrize("window, strides, padding", [(2, 2, "VALID"), (3, 2, "SAME"), ((3, 2), 1, ((1, 1), (0, 1)))])
+def test_max_pool2d_ties_go_where_xla_sends_them(window, strides, padding):
+    """Inputs with many exact ties (values rounded to a few levels) and overlapping windows: each
+    window selects the element XLA's own gradient (autodiff of flax.linen.max_pool) selects."""
+    x = jnp.round(_normal(0, (2, 9, 8, 3)))
+    f = lambda x: jaxbwd.max_pool2d(x, window, strides, padding)  # noqa: E731
+    r = lambda x: ref.max_pool2d(x, window, strides, padding)  # noqa: E731
+    y, vjp = jax.vjp(f, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(r(x)))
+    # Unit cotangents: each input's gradient counts the windows that selected it (exact).
+    ones = jnp.ones(y.shape)
+    np.testing.assert_array_equal(np.asarray(vjp(ones)[0]), np.asarray(jax.vjp(r, x)[1](ones)[0]))
+    ct = _normal(1, y.shape)  # overlapping windows add in another order: rounding only
+    np.testing.assert_allclose(np.asarray(vjp(ct)[0]), np.asarray(jax.vjp(r, x)[1](ct)[0]), atol=1e-6)
+
+
+def test_pooling_grads_are_deterministic_under_jit():
+    x = _normal(0, (4, 16, 16, 8))
+    for f in (lambda x: jaxbwd.max_pool2d(x, 3, 2, "SAME"), lambda x: jaxbwd.avg_pool2d(x, 3, 2, "SAME")):
+        g = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)))))
+        np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(g(x)))
