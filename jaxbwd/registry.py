@@ -748,8 +748,8 @@ _SPECS += [
     ),
     OpSpec(
         name="max_pool2d", family="vision", fn=pooling.max_pool2d, reference=ref.max_pool2d,
-        diff_argnums=(0,), static_params=("window_shape", "strides", "padding"), kernels=(),
-        backward="XLA gather form: dy placed at each window's first max by interior-padded pads, summed (no scatter, no atomics)",
+        diff_argnums=(0,), static_params=("window_shape", "strides", "padding"), kernels=("max_pool2d_bwd",),
+        backward="Pallas gather form: each dx element sums the dy of the windows whose saved int8 first-max offset names it (no atomics)",
         examples=(
             Example("2x9x11x3-w3-s2-SAME", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), 3, 2, "SAME"), {})),
             Example("1x8x8x5-w(2,3)-s(2,1)", lambda k, dt: ((_normal(k, (1, 8, 8, 5), dt), (2, 3), (2, 1)), {})),
@@ -762,7 +762,13 @@ _SPECS += [
             BadInput("window too big", lambda: ((jnp.ones((1, 2, 2, 3)), 3), {}), ValueError, r"window_shape \(3, 3\) is larger than the padded input \(2, 2\)"),
             BadInput("integer x", lambda: ((jnp.ones((1, 4, 4, 3), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
         ),
-        residual_budget=lambda x, w, strides=None, padding="VALID", **_: _nbytes(x, ref.max_pool2d(x, w, strides, padding)),
+        # ResNet's stem pool (3x3, stride 2, SAME at 112x112x64) and a VGG-style 2x2 pool.
+        lowering=(
+            Example("32x112x112x64-w3-s2-SAME-bf16", lambda k, d: ((_sds((32, 112, 112, 64), "bfloat16"),), {"window_shape": 3, "strides": 2, "padding": "SAME"})),
+            Example("16x56x56x256-w2-s2-f32", lambda k, d: ((_sds((16, 56, 56, 256), "float32"),), {"window_shape": 2, "strides": 2})),
+        ),
+        # one int8 offset per output element (x and y are not kept)
+        residual_budget=lambda x, w, strides=None, padding="VALID", **_: ref.max_pool2d(x, w, strides, padding).size,
     ),
     OpSpec(
         name="avg_pool2d", family="vision", fn=pooling.avg_pool2d, reference=ref.avg_pool2d,

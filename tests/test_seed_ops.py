@@ -161,12 +161,13 @@ def test_batch_norm_axis_name_cross_device_statistics():
     assert "xla ok" in r.stdout and "pallas ok" in r.stdout
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window, strides, padding", [(2, 2, "VALID"), (3, 2, "SAME"), ((3, 2), 1, ((1, 1), (0, 1)))])
-def test_max_pool2d_ties_go_where_xla_sends_them(window, strides, padding):
+def test_max_pool2d_ties_go_where_xla_sends_them(window, strides, padding, impl):
     """Inputs with many exact ties (values rounded to a few levels) and overlapping windows: each
     window selects the element XLA's own gradient (autodiff of flax.linen.max_pool) selects."""
     x = jnp.round(_normal(0, (2, 9, 8, 3)))
-    f = lambda x: jaxbwd.max_pool2d(x, window, strides, padding)  # noqa: E731
+    f = lambda x: jaxbwd.max_pool2d(x, window, strides, padding, implementation=impl)  # noqa: E731
     r = lambda x: ref.max_pool2d(x, window, strides, padding)  # noqa: E731
     y, vjp = jax.vjp(f, x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(r(x)))

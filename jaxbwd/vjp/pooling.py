@@ -5,20 +5,17 @@ The windowed pools follow ``flax.linen.max_pool`` / ``avg_pool``: ``window_shape
 hi)); max pooling pads with -inf, average pooling with zeros (``count_include_pad``
 as flax). Window offsets ``d = (di, dj)`` are visited in row-major order.
 
-Backward, gather form (no scatter, no atomics, bitwise reproducible): for every window
-offset d, ``dy`` (max: only where d is the window's selected element) is placed at the
-input positions ``o * s + d`` by an interior-padded ``lax.pad`` and the kh*kw placements are
-added, which XLA fuses into one pass that writes each dx element once. Ties in max
-pooling go to the first maximal element of the window in row-major order (what XLA's
-``select_and_scatter`` with ``ge`` selects); the forward saves x and y (y is s**2 times
-smaller than x) and the backward recomputes the selected offset from them.
-
-Why XLA and no Pallas kernel: the backward is one fused pass over dy and the selection
-(max: one more pass over x and y to find it, written as an int32 offset per output);
-a Pallas kernel could fold that selection pass into the dx pass (saving one read of y
-and a write/read of the offsets, about (4 + 4 + itemsize) / s**2 bytes per input element),
-not done here. adaptive_avg_pool2d is two small averaging matrices applied by
-``einsum`` (XLA dots); its backward is their transposes.
+Backward, gather form (no scatter, no atomics, bitwise reproducible). max_pool2d: the
+forward saves, per output element, the row-major offset of the window element it selected
+(int8), not x or y; ties go to the first maximal element in row-major order (what XLA's
+``select_and_scatter`` selects). The Pallas kernel ``max_pool2d_bwd``
+(``jaxbwd/pallas/pooling.py``) writes each dx element once from the candidate windows'
+offsets and dy; the XLA formula places ``dy`` (where the offset is d) at the input
+positions ``o * s + d`` with an interior-padded ``lax.pad`` and adds the kh*kw
+placements, which XLA fuses into one pass. avg_pool2d: the same placement of
+``dy / count`` with nothing saved; an XLA fusion that reads dy and writes dx, the minimum,
+so no kernel. adaptive_avg_pool2d: two small averaging matrices applied by ``einsum``
+(XLA dots); its backward is their transposes.
 """
 from __future__ import annotations
 
@@ -30,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxbwd.pallas import pooling as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
 
@@ -118,38 +116,35 @@ def _max_pool(x, geom, impl):
 
 def _max_fwd(x, geom, impl):
     y = _max_pool.fun(x, geom, impl)
-    return y, (x, y)
+    return y, _selected(x, y, geom)
 
 
 def _selected(x, y, geom):
-    """The row-major index of each window's first maximal element, int32 [N, Ho, Wo, C]."""
+    """The row-major offset of each window's first maximal element, [N, Ho, Wo, C] (int8 for
+    windows of up to 127 elements, else int32)."""
     window, strides, pads, out, hw = geom
-    sel = jnp.full(y.shape, -1, jnp.int32)
+    dt = jnp.int8 if window[0] * window[1] <= 127 else jnp.int32
+    sel = jnp.full(y.shape, -1, dt)
     for k, (_, v) in enumerate(_taps(_pad(x, pads, -jnp.inf), window, strides, out)):
-        sel = jnp.where((sel < 0) & (v == y), k, sel)
+        sel = jnp.where((sel < 0) & (v == y), jnp.asarray(k, dt), sel)
     return sel
 
 
-def _max_spread(x, y, geom, dy):
+def _max_bwd(geom, impl, sel, dy):
     window, strides, pads, out, hw = geom
-    sel = _selected(x, y, geom)
-    padded = tuple(x.shape[1 + i] + sum(pads[i]) for i in range(2))
-    acc = jnp.zeros((x.shape[0], *padded, x.shape[3]), jnp.promote_types(dy.dtype, jnp.float32))
+    if impl.pallas:
+        return (kernels.max_pool2d_bwd(sel, dy, in_hw=hw, window=window, strides=strides,
+                                       pad_lo=(pads[0][0], pads[1][0]), interpret=impl.interpret),)
+    padded = tuple(hw[i] + sum(pads[i]) for i in range(2))
+    acc = jnp.zeros((dy.shape[0], *padded, dy.shape[3]), jnp.promote_types(dy.dtype, jnp.float32))
     for k, d in enumerate(np.ndindex(*window)):
         acc = acc + _place(jnp.where(sel == k, _cf(dy), 0.0), d, strides, padded)
-    return _crop(acc, pads, x.shape[1:3]).astype(x.dtype)
+    return (_crop(acc, pads, hw).astype(dy.dtype),)
 
 
-def _max_bwd(geom, impl, res, dy):
-    x, y = res
-    return (_max_spread(x, y, geom, dy),)
-
-
-def _max_tangent(geom, impl, res, dx):
-    x, y = res
+def _max_tangent(geom, impl, sel, dx):
     window, strides, pads, out, hw = geom
-    sel = _selected(x, y, geom)
-    t = jnp.zeros(y.shape, dx.dtype)
+    t = jnp.zeros(sel.shape, dx.dtype)
     for k, (_, v) in enumerate(_taps(_pad(dx, pads, 0.0), window, strides, out)):
         t = jnp.where(sel == k, v, t)
     return t
@@ -166,13 +161,15 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
       x: [N, H, W, C] float32, bfloat16 or float16.
       window_shape: int or (kh, kw). strides: None (1), int or (sh, sw).
       padding: ``"VALID"``, ``"SAME"`` or ((top, bottom), (left, right)); padded cells are -inf.
-      implementation: accepted for uniformity; both run the XLA gather-form backward.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
       [N, Ho, Wo, C] in x's dtype, ``Ho = (H + pads - kh) // sh + 1``.
 
-    Residuals: x (an alias) and y. Backward: deterministic gather form (module docstring);
-    ties go to the first maximal element of the window in row-major order.
+    Residuals: the selected offset per output element (int8 for windows up to 127
+    elements; int32 beyond). Backward: Pallas ``max_pool2d_bwd`` or the XLA formula, both
+    gather form (module docstring); ties go to the first maximal element of the window in
+    row-major order, as XLA's own gradient.
 
     Raises:
       TypeError: x not floating. ValueError: x not rank 4; bad window/strides/padding; a
