@@ -24,7 +24,6 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jaxbwd import sharding as S
 from jaxbwd.vjp import _base as B

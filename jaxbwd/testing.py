@@ -31,7 +31,6 @@ from typing import Optional
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxbwd import config

@@ -2,7 +2,6 @@
 contract on the worked example ``examples/squared_relu.py``, and the command line's
 ``--ops module:ATTR``."""
 import os
-import subprocess
 import sys
 
 import jax

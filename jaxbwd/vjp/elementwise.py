@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-import jax
 import jax.numpy as jnp
 
 from jaxbwd import sharding as S

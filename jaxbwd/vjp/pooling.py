@@ -20,9 +20,7 @@ so no kernel. adaptive_avg_pool2d: two small averaging matrices applied by ``ein
 from __future__ import annotations
 
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
