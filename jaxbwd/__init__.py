@@ -8,12 +8,18 @@ forward mode and second order work too. Choose per call with ``implementation=No
 or globally with :mod:`jaxbwd.config`.
 """
 from jaxbwd import config
+from jaxbwd.define import define_elementwise, define_op
 from jaxbwd.vjp.activations import gated_linear_unit, gelu, glu, silu, softmax, swiglu
+from jaxbwd.vjp.activations import leaky_relu, relu, sigmoid, tanh
 from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.group_norm import group_norm
 from jaxbwd.vjp.losses import cross_entropy
 from jaxbwd.vjp.rope import rope
+from jaxbwd.vjp.regression import mse_loss
+from jaxbwd.vjp.batch_norm import batch_norm
+from jaxbwd.vjp.pooling import adaptive_avg_pool2d, avg_pool2d, max_pool2d
+from jaxbwd.vjp.dropout import dropout
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
 from jaxbwd.vjp.shape import reshape, row_slice
@@ -22,11 +28,13 @@ from jaxbwd.vjp.vision import conv2d, pixel_shuffle, unpatchify, upsample2d
 __version__ = "0.1.0"
 
 __all__ = [
-    "config",
+    "config", "define_op", "define_elementwise",
     "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
     "dot_product_attention", "embed", "rope", "cross_entropy",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
+    "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout", "batch_norm",
+    "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
 ]

@@ -593,6 +593,9 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
 def _worker_main() -> int:
     """A compile worker: reads one JSON case per stdin line, answers one JSON line each."""
     workdir = tempfile.mkdtemp(prefix="jaxbwd-compile-")
+    from jaxbwd import registry
+
+    registry.load_from_env()  # user ops named by import path in the parent (--ops module:ATTR)
     out = sys.stdout
     sys.stdout = sys.stderr  # anything else printed must not break the protocol
     for line in sys.stdin:

@@ -50,6 +50,26 @@ def gelu(x, *, approximate=True):
     return jax.nn.gelu(_f32(x), approximate=approximate).astype(x.dtype)
 
 
+def relu(x):
+    """Reference ReLU, ``jax.nn.relu`` (Nair & Hinton 2010)."""
+    return jax.nn.relu(x)
+
+
+def leaky_relu(x, negative_slope=0.01):
+    """Reference leaky ReLU, ``jax.nn.leaky_relu`` in float32 (Maas et al. 2013)."""
+    return jax.nn.leaky_relu(_f32(x), negative_slope).astype(x.dtype)
+
+
+def sigmoid(x):
+    """Reference logistic sigmoid, ``jax.nn.sigmoid`` in float32."""
+    return jax.nn.sigmoid(_f32(x)).astype(x.dtype)
+
+
+def tanh(x):
+    """Reference tanh, ``jnp.tanh`` in float32."""
+    return jnp.tanh(_f32(x)).astype(x.dtype)
+
+
 def _clamp(gate, up, limit):
     if limit is None:
         return gate, up
@@ -296,3 +316,76 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
         precision=jax.lax.Precision.HIGHEST,
     )
     return y.astype(x.dtype)
+
+
+def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
+    """Reference mean squared error in float32: ``w * (p - t)**2``, mean over elements, sum or none."""
+    r = _f32(predictions) - _f32(targets)
+    sq = r * r if weights is None else _f32(weights) * r * r
+    if reduction == "none":
+        return sq.astype(predictions.dtype)
+    total = jnp.sum(sq)
+    return (total / sq.size if reduction == "mean" else total).astype(predictions.dtype)
+
+
+def dropout(x, rate, *, rng=None, deterministic=False):
+    """Reference dropout: ``x / (1 - rate)`` where the counter-based hash of (key, row, col) of
+    x's [rows, cols] view keeps, else 0 (the mask's definition: ``jaxbwd/pallas/dropout.py``)."""
+    from jaxbwd.pallas import _common as C
+    from jaxbwd.pallas import dropout as D
+
+    if deterministic or rate == 0.0:
+        return x
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    R, Cc = C.as_2d("dropout", x.shape)
+    rows, cols = jnp.arange(R, dtype=jnp.int32)[:, None], jnp.arange(Cc, dtype=jnp.int32)[None, :]
+    keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
+    return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
+    """Reference batch norm in training mode (Ioffe & Szegedy 2015): f32 statistics over every
+    axis but ``axis``, biased variance, as flax.linen.BatchNorm."""
+    xf = _f32(x)
+    red = tuple(i for i in range(x.ndim) if i != axis % x.ndim)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    mean = jnp.mean(xf, axis=red, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=red, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * _f32(weight).reshape(shape) + _f32(bias).reshape(shape)
+    return y.astype(x.dtype)
+
+
+def max_pool2d(x, window_shape, strides=None, padding="VALID"):
+    """Reference max pooling: ``flax.linen.max_pool`` (``lax.reduce_window`` max), NHWC."""
+    import flax.linen as fnn
+
+    w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
+    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
+    return fnn.max_pool(x, w, strides=s, padding=padding)
+
+
+def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True):
+    """Reference average pooling: ``flax.linen.avg_pool`` in float32, NHWC."""
+    import flax.linen as fnn
+
+    w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
+    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
+    return fnn.avg_pool(_f32(x), w, strides=s, padding=padding, count_include_pad=count_include_pad).astype(x.dtype)
+
+
+def adaptive_avg_pool2d(x, output_size):
+    """Reference adaptive average pooling (torch's bins) by explicit slices, NHWC."""
+    oh, ow = (output_size,) * 2 if isinstance(output_size, int) else tuple(output_size)
+    H, W = x.shape[1:3]
+    rows = []
+    for i in range(oh):
+        cols = []
+        for j in range(ow):
+            h0, h1 = (i * H) // oh, -(-((i + 1) * H) // oh)
+            w0, w1 = (j * W) // ow, -(-((j + 1) * W) // ow)
+            cols.append(jnp.mean(_f32(x[:, h0:h1, w0:w1, :]), axis=(1, 2)))
+        rows.append(jnp.stack(cols, axis=1))
+    return jnp.stack(rows, axis=1).astype(x.dtype)

@@ -19,6 +19,10 @@ from jaxbwd.vjp import activations, linear, norms, shape
 from jaxbwd.vjp import embedding, losses, rope
 from jaxbwd.vjp import attention
 from jaxbwd.vjp import group_norm as group_norm_ops, vision
+from jaxbwd.vjp import regression
+from jaxbwd.vjp import dropout as dropout_ops
+from jaxbwd.vjp import batch_norm as batch_norm_ops
+from jaxbwd.vjp import pooling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +224,45 @@ _SPECS: list[OpSpec] = [
         lowering=_unary_lowering() + _unary_lowering(approximate=False)[:1],
         bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
         residual_budget=lambda x, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="relu", family="activations", fn=activations.relu, reference=ref.relu,
+        diff_argnums=(0,), static_params=(), kernels=("relu_bwd",),
+        backward="dx = dy * (y > 0) from the saved output; the Pallas kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
+        name="leaky_relu", family="activations", fn=activations.leaky_relu, reference=ref.leaky_relu,
+        diff_argnums=(0,), static_params=("negative_slope",), kernels=("leaky_relu_bwd",),
+        backward="dx = dy * (x >= 0 ? 1 : slope) from the saved x; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples() + (
+            Example("5x123-slope0.2", lambda k, dt: ((_normal(k, (5, 123), dt), 0.2), {})),
+            Example("5x123-slope-0.5", lambda k, dt: ((_normal(k, (5, 123), dt),), {"negative_slope": -0.5})),
+        ),
+        lowering=_unary_lowering()[:1],
+        bad_inputs=(
+            BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),
+            BadInput("negative_slope", lambda: ((jnp.ones((4,)),), {"negative_slope": "0.1"}), TypeError, r"negative_slope must be a real Python number, got '0.1'"),
+        ),
+        residual_budget=lambda x, *a, **_: _nbytes(x),
+    ),
+    OpSpec(
+        name="sigmoid", family="activations", fn=activations.sigmoid, reference=ref.sigmoid,
+        diff_argnums=(0,), static_params=(), kernels=("sigmoid_bwd",),
+        backward="dx = dy * y * (1 - y) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
+    ),
+    OpSpec(
+        name="tanh", family="activations", fn=activations.tanh, reference=ref.tanh,
+        diff_argnums=(0,), static_params=(), kernels=("tanh_bwd",),
+        backward="dx = dy * (1 - y**2) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
+        examples=_unary_examples(), lowering=_unary_lowering()[:1],
+        bad_inputs=(BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),),
+        residual_budget=lambda x, **_: _nbytes(x),  # y only
     ),
     OpSpec(
         name="swiglu", family="activations", fn=activations.swiglu, reference=ref.swiglu,
@@ -621,6 +664,143 @@ _SPECS: list[OpSpec] = [
     ),
 ]
 
+
+def _mse_example(shape, reduction, weighted):
+    def make(k, dt):
+        ks = jax.random.split(k, 3)
+        args = (_normal(ks[0], shape, dt), _normal(ks[1], shape, dt))
+        if weighted:
+            args = args + (jax.random.uniform(ks[2], shape, jnp.float32).astype(dt),)
+        return args, {"reduction": reduction}
+
+    return Example(f"{'x'.join(map(str, shape))}-{reduction}{'-weighted' if weighted else ''}", make,
+                   (0, 1, 2) if weighted else (0, 1))
+
+
+# The seed engine's remaining training ops (losses, regularisation, normalisation, pooling).
+_SPECS += [
+    OpSpec(
+        name="mse_loss", family="losses", fn=regression.mse_loss, reference=ref.mse_loss,
+        diff_argnums=(0, 1), static_params=("reduction",), kernels=(),
+        backward="XLA by design: one fused pass reads p, t (w), writes dp = 2 c w (p - t), dt = -dp (minimum bytes)",
+        examples=(_mse_example((5, 123), "mean", False), _mse_example((2, 3, 96), "sum", True),
+                  _mse_example((1, 1, 1023), "none", True)),
+        bad_inputs=(
+            BadInput("targets shape", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 7))), {}), ValueError, r"targets must have shape \(4, 8\).*got \(4, 7\)"),
+            BadInput("weights shape", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8,))), {}), ValueError, r"weights must have shape \(4, 8\).*got \(8,\)"),
+            BadInput("reduction", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8))), {"reduction": "avg"}), ValueError, r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
+            BadInput("integer targets", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8), jnp.int32)), {}), TypeError, r"targets must have a floating dtype.*got int32"),
+            BadInput("dtypes", lambda: ((jnp.ones((4, 8)), jnp.ones((4, 8), jnp.bfloat16)), {}), TypeError, r"predictions, targets must share one dtype"),
+        ),
+        # the inputs only (aliases of live arrays)
+        residual_budget=lambda p, t, w=None, **_: _nbytes(p, t) + (0 if w is None else _nbytes(w)),
+    ),
+    OpSpec(
+        name="dropout", family="regularization", fn=dropout_ops.dropout, reference=ref.dropout,
+        diff_argnums=(0,), static_params=("rate", "deterministic"), kernels=("dropout_bwd",),
+        backward="Pallas: regenerates the mask from the key (counter-based hash of key, row, col) while scaling dy; saves the key only",
+        examples=tuple(
+            Example(f"{'x'.join(map(str, s))}-rate{r}",
+                    lambda k, dt, s=s, r=r: ((_normal(k, s, dt), r), {"rng": jax.random.PRNGKey(7)}))
+            for s, r in ((ROW_SHAPES[1], 0.1), (ROW_SHAPES[0], 0.5), (ROW_SHAPES[2], 0.9))
+        ),
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt),), {"rate": 0.1, "rng": jax.random.PRNGKey(0)}))
+            for s, dt in ROW_LOWERING[:2]
+        ),
+        bad_inputs=(
+            BadInput("rate", lambda: ((jnp.ones((4, 8)), 1.5), {"rng": jax.random.PRNGKey(0)}), ValueError, r"rate must be in \[0, 1\], got 1.5"),
+            BadInput("no rng", lambda: ((jnp.ones((4, 8)), 0.5), {}), ValueError, r"rng must be a jax.random key when deterministic is False, got None"),
+            BadInput("rng shape", lambda: ((jnp.ones((4, 8)), 0.5), {"rng": jnp.zeros((4,), jnp.uint32)}), ValueError, r"rng must be a threefry key \(key data uint32 \[2\]\), got key data uint32 \(4,\)"),
+            BadInput("deterministic", lambda: ((jnp.ones((4, 8)), 0.5), {"deterministic": 1}), TypeError, r"deterministic must be a Python bool, got 1"),
+            BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32), 0.5), {"rng": jax.random.PRNGKey(0)}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda x, rate, **_: 8,  # the key's two uint32 words
+    ),
+    OpSpec(
+        name="batch_norm", family="norms", fn=batch_norm_ops.batch_norm, reference=ref.batch_norm,
+        diff_argnums=(0, 1, 2), static_params=("eps", "momentum", "training", "axis", "axis_name"),
+        kernels=("batch_norm_bwd_reduce", "batch_norm_bwd_dx"),
+        backward="Pallas: f32 per-channel sums of dy, dy*x_hat from saved mean/rstd (dbias, dweight; partials, no atomics), then dx",
+        examples=tuple(
+            Example(f"{'x'.join(map(str, s))}-axis{ax}",
+                    lambda k, dt, s=s, ax=ax: (
+                        (_normal(k, s, dt), 1.0 + 0.1 * _normal(jax.random.fold_in(k, 1), s[ax:][:1], dt),
+                         0.1 * _normal(jax.random.fold_in(k, 2), s[ax:][:1], dt)), {"axis": ax}))
+            for s, ax in (((4, 5, 6, 24), -1), ((3, 7, 130), -1), ((2, 6, 5, 5), 1))
+        ),
+        # ResNet-50 activations: 64 channels at 112x112, 256 at 56x56, 2048 at 7x7 (batch 32).
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt), _sds(s[-1:], dt), _sds(s[-1:], dt)), {}))
+            for s, dt in (((32, 112, 112, 64), "bfloat16"), ((32, 56, 56, 256), "float32"), ((32, 7, 7, 2048), "bfloat16"))
+        ),
+        bad_inputs=(
+            BadInput("weight length", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((5,)), jnp.ones((6,))), {}), ValueError, r"weight must have shape \(6,\).*got \(5,\)"),
+            BadInput("rank-1 x", lambda: ((jnp.ones((6,)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"x must have rank >= 2.*got shape \(6,\)"),
+            BadInput("one running stat", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"running_mean": jnp.zeros((6,))}), ValueError, r"give both running_mean and running_var or neither"),
+            BadInput("eval without stats", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"training": False}), ValueError, r"training=False normalises with running_mean and running_var; got None"),
+            BadInput("momentum", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"momentum": 1.5}), ValueError, r"momentum must be in \[0, 1\], got 1.5"),
+            BadInput("eps", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
+            BadInput("integer x", lambda: ((jnp.ones((2, 6), jnp.int32), jnp.ones((6,)), jnp.ones((6,))), {}), TypeError, r"x must have a floating dtype.*got int32"),
+        ),
+        # x, weight (aliases of live inputs) plus f32 mean and rstd per channel.
+        residual_budget=lambda x, w, b, axis=-1, **_: _nbytes(x, w) + 8 * x.shape[axis],
+    ),
+    OpSpec(
+        name="max_pool2d", family="vision", fn=pooling.max_pool2d, reference=ref.max_pool2d,
+        diff_argnums=(0,), static_params=("window_shape", "strides", "padding"), kernels=("max_pool2d_bwd",),
+        backward="Pallas gather form: each dx element sums the dy of the windows whose saved int8 first-max offset names it (no atomics)",
+        examples=(
+            Example("2x9x11x3-w3-s2-SAME", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), 3, 2, "SAME"), {})),
+            Example("1x8x8x5-w(2,3)-s(2,1)", lambda k, dt: ((_normal(k, (1, 8, 8, 5), dt), (2, 3), (2, 1)), {})),
+            Example("1x7x6x2-w3-s2-pad", lambda k, dt: ((_normal(k, (1, 7, 6, 2), dt), 3, 2, ((1, 0), (2, 1))), {})),
+        ),
+        bad_inputs=(
+            BadInput("rank", lambda: ((jnp.ones((4, 4, 3)), 2), {}), ValueError, r"x must have rank 4 \(\[N, H, W, C\]\), got shape \(4, 4, 3\)"),
+            BadInput("window", lambda: ((jnp.ones((1, 4, 4, 3)), 0), {}), ValueError, r"window_shape must be an int >= 1 or a pair of them, got 0"),
+            BadInput("padding", lambda: ((jnp.ones((1, 4, 4, 3)), 2, 1, "FULL"), {}), ValueError, r"padding must be 'SAME', 'VALID'"),
+            BadInput("window too big", lambda: ((jnp.ones((1, 2, 2, 3)), 3), {}), ValueError, r"window_shape \(3, 3\) is larger than the padded input \(2, 2\)"),
+            BadInput("integer x", lambda: ((jnp.ones((1, 4, 4, 3), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
+        ),
+        # ResNet's stem pool (3x3, stride 2, SAME at 112x112x64) and a VGG-style 2x2 pool.
+        lowering=(
+            Example("32x112x112x64-w3-s2-SAME-bf16", lambda k, d: ((_sds((32, 112, 112, 64), "bfloat16"),), {"window_shape": 3, "strides": 2, "padding": "SAME"})),
+            Example("16x56x56x256-w2-s2-f32", lambda k, d: ((_sds((16, 56, 56, 256), "float32"),), {"window_shape": 2, "strides": 2})),
+        ),
+        # one int8 offset per output element (x and y are not kept)
+        residual_budget=lambda x, w, strides=None, padding="VALID", **_: ref.max_pool2d(x, w, strides, padding).size,
+    ),
+    OpSpec(
+        name="avg_pool2d", family="vision", fn=pooling.avg_pool2d, reference=ref.avg_pool2d,
+        diff_argnums=(0,), static_params=("window_shape", "strides", "padding", "count_include_pad"), kernels=(),
+        backward="XLA gather form: dy / count spread over each window by interior-padded pads, summed (no scatter, no atomics)",
+        examples=(
+            Example("2x9x11x3-w3-s2-SAME", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), 3, 2, "SAME"), {})),
+            Example("1x7x6x2-w3-s2-pad-exclude", lambda k, dt: ((_normal(k, (1, 7, 6, 2), dt), 3, 2, ((1, 0), (2, 1)), False), {})),
+        ),
+        bad_inputs=(
+            BadInput("strides", lambda: ((jnp.ones((1, 4, 4, 3)), 2, (1, 0)), {}), ValueError, r"strides must be an int >= 1 or a pair of them, got \(1, 0\)"),
+            BadInput("count_include_pad", lambda: ((jnp.ones((1, 4, 4, 3)), 2), {"count_include_pad": 1}), TypeError, r"count_include_pad must be a Python bool, got 1"),
+        ),
+        residual_budget=lambda x, *a, **_: 0,
+    ),
+    OpSpec(
+        name="adaptive_avg_pool2d", family="vision", fn=pooling.adaptive_avg_pool2d, reference=ref.adaptive_avg_pool2d,
+        diff_argnums=(0,), static_params=("output_size",), kernels=(),
+        backward="XLA dots: dx = A_h^T dy A_w with the constant averaging matrices",
+        examples=(
+            Example("2x9x11x3-to(4,3)", lambda k, dt: ((_normal(k, (2, 9, 11, 3), dt), (4, 3)), {})),
+            Example("1x5x5x4-to1", lambda k, dt: ((_normal(k, (1, 5, 5, 4), dt), 1), {})),
+        ),
+        bad_inputs=(
+            BadInput("output_size", lambda: ((jnp.ones((1, 4, 4, 3)), (2, 0)), {}), ValueError, r"output_size must be an int >= 1 or a pair of them, got \(2, 0\)"),
+            BadInput("rank", lambda: ((jnp.ones((4, 4, 3)), 2), {}), ValueError, r"x must have rank 4"),
+        ),
+        # the two f32 averaging matrices (constants autodiff keeps)
+        residual_budget=lambda x, size, **_: 4 * (x.shape[1] + x.shape[2]) * 8,
+    ),
+]
+
 REGISTRY: dict[str, OpSpec] = {}
 
 
@@ -645,7 +825,66 @@ def get(name: str) -> OpSpec:
 
 
 def ops(names: Optional[Sequence[str]] = None) -> list[OpSpec]:
-    """Specs in registry order, optionally restricted to ``names``."""
+    """Specs in registry order, optionally restricted to ``names``; a name ``module:ATTR`` (or
+    ``path/file.py:ATTR``) loads and registers the user's spec(s) there (see :func:`load`)."""
     if not names:
         return list(REGISTRY.values())
-    return [get(n) for n in names]
+    return [get(n) for name in names for n in (load(name) if ":" in name else [name])]
+
+
+# Import paths loaded so far; compile workers (other processes) load them again from here.
+LOADED_ENV = "JAXBWD_LOADED_OPS"
+
+
+def load(path: str) -> list[str]:
+    """Registers the OpSpec (or sequence of OpSpecs) at ``module:ATTR`` or ``file.py:ATTR``.
+
+    Returns the op names. Loading the same spec again is a no-op; the path is remembered in
+    the environment (``JAXBWD_LOADED_OPS``) so that worker processes can load it too.
+
+    Raises:
+      KeyError: the module or attribute cannot be found, or it holds no OpSpec.
+      ValueError: another op of the same name is already registered.
+    """
+    import importlib
+    import importlib.util
+    import os
+
+    mod_name, _, attr = path.rpartition(":")
+    try:
+        if mod_name.endswith(".py"):
+            mspec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+            if mspec is None or not os.path.exists(mod_name):
+                raise ImportError(f"no file {mod_name}")
+            module = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise KeyError(f"jaxbwd: cannot import {mod_name!r} for --ops {path}: {e}") from None
+    if not hasattr(module, attr):
+        raise KeyError(f"jaxbwd: {mod_name} has no attribute {attr!r} (--ops {path})")
+    value = getattr(module, attr)
+    specs = [value] if isinstance(value, OpSpec) else list(value) if isinstance(value, (list, tuple)) else []
+    if not specs or not all(isinstance(s, OpSpec) for s in specs):
+        raise KeyError(f"jaxbwd: {path} must be a jaxbwd.registry.OpSpec or a sequence of them, "
+                       f"got {type(value).__name__}")
+    for s in specs:
+        if REGISTRY.get(s.name) is not s:
+            # A module loaded twice (as a file and as a module) makes equal specs, not the same object.
+            if s.name in REGISTRY and REGISTRY[s.name].family != "user":
+                raise ValueError(f"jaxbwd.registry: op {s.name!r} from {path} clashes with jaxbwd's own op")
+            REGISTRY[s.name] = s
+    loaded = [p for p in os.environ.get(LOADED_ENV, "").split(",") if p]
+    if path not in loaded:
+        os.environ[LOADED_ENV] = ",".join(loaded + [path])
+    return [s.name for s in specs]
+
+
+def load_from_env() -> None:
+    """Loads every import path recorded by :func:`load` (in a worker process)."""
+    import os
+
+    for path in os.environ.get(LOADED_ENV, "").split(","):
+        if path:
+            load(path)

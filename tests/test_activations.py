@@ -12,7 +12,7 @@ import pytest
 from jaxbwd import config
 from jaxbwd import reference as ref
 from jaxbwd.pallas import _common as C
-from jaxbwd.vjp.activations import gated_linear_unit, gelu, silu, softmax, swiglu
+from jaxbwd.vjp.activations import gated_linear_unit, gelu, leaky_relu, relu, sigmoid, silu, softmax, swiglu, tanh
 
 IMPLS = ("xla", "pallas")
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
@@ -152,6 +152,25 @@ def test_softmax_row_longer_than_one_tile(impl):
     _assert_grads_match(lambda x: softmax(x, implementation=impl), ref.softmax, (x,))
 
 
+UNARY = {  # the factory's new ops and the jax.nn/jnp functions they follow
+    "relu": (relu, jax.nn.relu),
+    "leaky_relu": (leaky_relu, jax.nn.leaky_relu),
+    "leaky_relu_neg": (lambda x, **k: leaky_relu(x, -0.5, **k), lambda x: jax.nn.leaky_relu(x, -0.5)),
+    "sigmoid": (sigmoid, jax.nn.sigmoid),
+    "tanh": (tanh, jnp.tanh),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", sorted(UNARY))
+def test_unary_matches_jax_at_extremes_and_kinks(op, impl):
+    """Values past saturation, exact zeros (the kinks: gradient 0 for relu, 1 for leaky_relu,
+    as jax.nn), over a multi-block tiling with a masked tail."""
+    f, f_jax = UNARY[op]
+    x = jnp.concatenate([EXTREMES, jnp.zeros(3), _normal(5, (4489,), scale=3.0)]).reshape(3, 1500)
+    _assert_grads_match(lambda x: f(x, implementation=impl), f_jax, (x,))
+
+
 def _bwd_fn(op):
     def f(*args):
         *xs, dy = args
@@ -168,6 +187,8 @@ def _bwd_fn(op):
         ("swiglu_bwd", lambda g, u, **k: swiglu(g, u, limit=7.0, **k), 2, (8192, 4096), (8192, 4096)),
         ("glu_bwd", gated_linear_unit, 1, (8192, 2 * 5120), (8192, 5120)),
         ("glu_bwd", lambda x, **k: gated_linear_unit(x, activation="gelu_exact", limit=7.0, **k), 1, (8192, 2 * 4096), (8192, 4096)),
+        ("relu_bwd", relu, 1, (8192, 4096), (8192, 4096)),
+        ("tanh_bwd", tanh, 1, (3, 5, 7), (3, 5, 7)),
         ("softmax_bwd", softmax, 1, (8192, 4096), (8192, 4096)),
         ("softmax_bwd", softmax, 1, (8, 32000), (8, 32000)),
         ("softmax_bwd", lambda x, **k: softmax(x, axis=1, **k), 1, (4, 4096, 32), (4, 4096, 32)),
@@ -195,6 +216,8 @@ def test_kernel_lowers_for_cuda(name, op, n_in, x_shape, y_shape):
         (lambda: softmax(jnp.ones((2, 4)), axis=0.5), TypeError, ["softmax", "axis", "int", "0.5"]),
         (lambda: gelu(jnp.ones(3), approximate="tanh"), TypeError, ["gelu", "approximate", "bool", "'tanh'"]),
         (lambda: silu(jnp.ones(3, jnp.int32)), TypeError, ["silu", "x", "floating", "int32"]),
+        (lambda: sigmoid(jnp.ones(3, jnp.int32)), TypeError, ["sigmoid", "x", "floating", "int32"]),
+        (lambda: leaky_relu(jnp.ones(3), jnp.ones(())), TypeError, ["leaky_relu", "negative_slope", "number"]),
     ],
 )
 def test_bad_arguments(call, exc, words):

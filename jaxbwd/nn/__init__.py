@@ -4,6 +4,7 @@ Requires the ``flax`` extra: ``pip install "jaxbwd[flax]"``.
 """
 from jaxbwd.nn.linen import (
     Attention,
+    BatchNorm,
     Conv,
     Dense,
     Embed,
@@ -17,5 +18,5 @@ from jaxbwd.nn.linen import (
     dot_product_attention,
 )
 
-__all__ = ["Attention", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
+__all__ = ["Attention", "BatchNorm", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
            "PixelShuffle", "RMSNorm", "SwiGLUMLP", "Upsample", "dot_product_attention"]

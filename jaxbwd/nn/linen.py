@@ -1,6 +1,6 @@
 """Flax linen modules whose computation runs through jaxbwd's ops.
 
-``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
 own modules of the same name: every flax argument, in flax's positional order, with flax's
 defaults, parameter names, initialisers and dtype promotion (``dtype``, ``param_dtype``,
 ``promote_dtype``). Each adds ``implementation`` (``None``, ``"pallas"``, ``"xla"``), passed
@@ -280,6 +280,50 @@ class GroupNorm(fnn.GroupNorm):
         out = canonicalize_dtype(x, scale, bias, dtype=self.dtype)
         return K.group_norm(x, scale, bias, num_groups=g, eps=self.epsilon, activation=self.activation,
                             out_dtype=out, impl=self.implementation)
+
+
+class BatchNorm(fnn.BatchNorm):
+    """``flax.linen.BatchNorm`` (all its arguments); params ``scale``, ``bias`` and
+    ``batch_stats`` ``mean``, ``var`` [C] (float32), updated as flax (not while initialising).
+
+    Kernel path (:func:`jaxbwd.batch_norm`): an int ``axis``, no ``mask``, no
+    ``axis_index_groups``, ``force_float32_reductions=True``, ``epsilon > 0``;
+    ``axis_name`` is supported (cross-device statistics); ``use_scale``/``use_bias=False``
+    run with a unit weight / zero bias; ``use_fast_variance`` as :class:`LayerNorm` (two-pass
+    float32 variance either way). With ``use_running_average`` the normalisation is
+    jaxbwd's eval form (an affine map). Otherwise flax's code. dtype as :class:`LayerNorm`.
+    Call: x [N, ..., C] (channels on ``axis``) -> same shape. Source: Ioffe & Szegedy (2015).
+    """
+
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
+        if not (isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
+                and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2):
+            return super().__call__(x, use_running_average, mask=mask)
+        use_ra = fnn.module.merge_param("use_running_average", self.use_running_average, use_running_average)
+        c = x.shape[self.axis]
+        ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), (c,))
+        ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), (c,))
+        scale = self.param("scale", self.scale_init, (c,), self.param_dtype) if self.use_scale else None
+        bias = self.param("bias", self.bias_init, (c,), self.param_dtype) if self.use_bias else None
+        out = canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+        ct = K.compute_dtype(out, x, scale, bias)
+        w = jnp.ones((c,), ct) if scale is None else scale.astype(ct)
+        b = jnp.zeros((c,), ct) if bias is None else bias.astype(ct)
+        # As flax: no cross-device reduction while initialising (the axis need not exist yet).
+        kw = dict(eps=self.epsilon, momentum=self.momentum, axis=self.axis, implementation=self.implementation,
+                  axis_name=None if self.is_initializing() else self.axis_name)
+        if use_ra:
+            y = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=ra_mean.value, running_var=ra_var.value,
+                                  training=False, **kw)
+        else:
+            y, new = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=ra_mean.value, running_var=ra_var.value,
+                                       training=True, **kw)
+            if not self.is_initializing():
+                ra_mean.value, ra_var.value = new["mean"], new["var"]
+        return y.astype(out)
 
 
 class Conv(fnn.Conv):

@@ -1,4 +1,4 @@
-"""Backward kernels of silu, gelu, swiglu, glu and softmax, and the derivative math they share.
+"""Backward kernels of the activations, and the derivative math they share.
 
 The derivative functions at the top are the single statement of each activation's
 gradient; the kernels below and the XLA backward rules in ``jaxbwd/vjp/activations.py``
@@ -10,11 +10,11 @@ overflow, and every factor that multiplies a large ``x`` (``1 - s``, ``s (1 - s)
 
 Kernels:
 
-- ``silu_bwd``, ``gelu_bwd``, ``swiglu_bwd``: one fused elementwise pass over the
-  inputs viewed as [rows, cols] (2-D power-of-two tiles, masked tails; 2-D so that no
-  index passes int32 on arrays of 2**31 elements and more). Each reads the saved inputs
-  and dy once and writes the gradients once, recomputing the activation instead of
-  reading a saved one.
+- ``silu_bwd``, ``gelu_bwd``, ``relu_bwd``, ``leaky_relu_bwd``, ``sigmoid_bwd``,
+  ``tanh_bwd``: generated from the derivative functions here by the elementwise factory
+  (``jaxbwd/vjp/elementwise.py``, kernel in ``jaxbwd/pallas/elementwise.py``): one fused
+  pass over [rows, cols] 2-D tiles that reads the residual and dy once and writes dx once.
+- ``swiglu_bwd``: the same pass with two inputs and two outputs.
 - ``glu_bwd``: the same over [rows, d] tiles of the fused ``[..., 2d]`` input; a program
   reads the gate and up halves of its rows and dy, and writes both halves of dx.
 - ``softmax_bwd``: row-wise ``dx = y * (dy - delta)``, ``delta = sum(dy * y)`` over the
@@ -31,16 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import elementwise as E
 
 ACTIVATIONS = ("silu", "gelu", "gelu_exact")
-
-# Elementwise kernels are bandwidth-bound: 2048 elements over 4 warps is 16 per thread,
-# two 16-byte vector loads per bf16 operand, and about 8K programs at [8192, 4096].
-ELEMENTWISE_BLOCK = 2048
-ELEMENTWISE_WARPS = 4
-# glu tiles: at most 1024 columns so that common FFN widths (4096, 5120, 14336) are a
-# whole number of column blocks and the masked tail is small for the rest.
-GLU_MAX_BLOCK_COLS = 1024
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
@@ -48,7 +41,8 @@ _INV_SQRT_2 = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 # Approximate flops and transcendentals per element of each backward, for cost estimates.
-_COST = {"silu": (8, 1), "gelu": (16, 1), "gelu_exact": (24, 2)}
+BWD_COST = {"silu": (8, 1), "gelu": (16, 1), "gelu_exact": (24, 2), "relu": (2, 0), "leaky_relu": (2, 0),
+         "sigmoid": (3, 0), "tanh": (3, 0)}
 _GATED_EXTRA_FLOPS = 6  # the product rule and the clamp masks
 
 
@@ -96,6 +90,29 @@ def gelu_and_grad(x, *, approximate: bool, erf: Callable = C.erf):
     return x * cdf, cdf + x * (_INV_SQRT_2PI * jnp.exp(-0.5 * (x * x)))
 
 
+def relu_grad(y):
+    """``relu'`` from the output ``y = max(x, 0)``: 1 where y > 0, else 0 (0 at x = 0, as
+    ``jax.nn.relu``)."""
+    return jnp.where(y > 0, 1.0, 0.0).astype(y.dtype)
+
+
+def leaky_relu_grad(x, *, negative_slope: float):
+    """``leaky_relu'`` from the input: 1 where x >= 0 (``jax.nn.leaky_relu`` takes the
+    identity branch at 0), else ``negative_slope``. From the input because for
+    ``negative_slope <= 0`` the output's sign does not tell the branch."""
+    return jnp.where(x >= 0, 1.0, negative_slope).astype(x.dtype)
+
+
+def sigmoid_grad(y):
+    """``sigmoid' = y (1 - y)`` from the output ``y = sigmoid(x)``."""
+    return y * (1.0 - y)
+
+
+def tanh_grad(y):
+    """``tanh' = 1 - y**2`` from the output ``y = tanh(x)``."""
+    return 1.0 - y * y
+
+
 def activation_and_grad(activation: str, x, *, erf: Callable = C.erf):
     """``act(x)`` and ``act'(x)`` for ``activation`` in ``ACTIVATIONS``."""
     if activation == "silu":
@@ -121,75 +138,15 @@ def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erf: C
 
 
 # ------------------------------------------------------------- elementwise kernels
-def _elementwise_tiling(R: int, Cc: int) -> C.RowTiling:
-    """[block_rows, block_cols] tiles of ELEMENTWISE_BLOCK elements, at most GLU_MAX_BLOCK_COLS wide."""
-    block_cols = min(C.next_pow2(Cc), GLU_MAX_BLOCK_COLS)
-    block_rows = max(1, min(C.next_pow2(R), ELEMENTWISE_BLOCK // block_cols))
-    warps = min(ELEMENTWISE_WARPS, max(1, block_rows * block_cols // 256))
-    return C.RowTiling(R, Cc, block_rows=block_rows, block_cols=block_cols, num_warps=warps)
-
-
-def _elementwise_kernel(*refs, grads: Callable, n_in: int, t: C.RowTiling):
-    in_refs, out_refs = refs[:n_in], refs[n_in:]
-    rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
-    outs = grads(*(C.load_tile(r, rows, cols, mask) for r in in_refs))
-    for r, v in zip(out_refs, outs):
-        C.store_tile(r, rows, cols, v, mask)
-
-
-def _elementwise_bwd(name: str, grads: Callable, inputs, out_dtypes, *, flops: int,
-                     transcendentals: int, interpret: bool):
-    """One fused pass: ``grads(*inputs)`` over the inputs, outputs in ``out_dtypes``.
-
-    ``inputs`` share one shape; each output has that shape. They are viewed as [rows, cols]
-    (``C.as_2d``, a free reshape) and cut into 2-D tiles, so no index exceeds int32 however
-    large the arrays. Empty inputs skip the launch.
-    """
-    shape = inputs[0].shape
-    n = math.prod(shape)
-    if n == 0:
-        return tuple(jnp.zeros(shape, d) for d in out_dtypes)
-    R, Cc = C.as_2d(name.removesuffix("_bwd"), shape)
-    views = [a.reshape(R, Cc) for a in inputs]
-    t = _elementwise_tiling(R, Cc)
-    out_shape = [jax.ShapeDtypeStruct((R, Cc), d) for d in out_dtypes]
-    # Row blocks on grid axis 0: it is the only axis that may exceed 65535 programs.
-    outs = C.call(
-        functools.partial(_elementwise_kernel, grads=grads, n_in=len(views), t=t),
-        name=name, grid=(t.num_row_blocks, t.num_col_blocks), out_shape=out_shape, interpret=interpret,
-        num_warps=t.num_warps, flops=flops * n, transcendentals=transcendentals * n,
-        bytes_accessed=C.nbytes(*views) + sum(n * jnp.dtype(d).itemsize for d in out_dtypes),
-    )(*views)
-    return tuple(o.reshape(shape) for o in outs)
-
-
-def silu_bwd(x, dy, *, interpret: bool = False):
-    """dx of silu. x, dy: same shape and dtype. Returns dx in x's dtype."""
-    (dx,) = _elementwise_bwd(
-        "silu_bwd", lambda x, dy: (dy * silu_and_grad(x)[1],), (x, dy), (x.dtype,),
-        flops=_COST["silu"][0], transcendentals=_COST["silu"][1], interpret=interpret,
-    )
-    return dx
-
-
-def gelu_bwd(x, dy, *, approximate: bool, interpret: bool = False):
-    """dx of gelu (tanh form when ``approximate``). x, dy: same shape and dtype."""
-    key = "gelu" if approximate else "gelu_exact"
-    (dx,) = _elementwise_bwd(
-        "gelu_bwd", lambda x, dy: (dy * gelu_and_grad(x, approximate=approximate)[1],),
-        (x, dy), (x.dtype,),
-        flops=_COST[key][0], transcendentals=_COST[key][1], interpret=interpret,
-    )
-    return dx
-
-
+# silu_bwd, gelu_bwd, relu_bwd, leaky_relu_bwd, sigmoid_bwd and tanh_bwd are generated from
+# the derivative functions above by ``jaxbwd.vjp.elementwise`` (one ``E.map_tiles`` pass).
 def swiglu_bwd(gate, up, dy, *, limit: Optional[float], interpret: bool = False):
     """dgate, dup of ``silu(gate) * up`` (clamped when ``limit``). All same shape; grads in
     the dtypes of gate and up."""
     grads = functools.partial(gated_grads, activation="silu", limit=limit)
-    return _elementwise_bwd(
+    return E.map_tiles(
         "swiglu_bwd", grads, (gate, up, dy), (gate.dtype, up.dtype),
-        flops=_COST["silu"][0] + _GATED_EXTRA_FLOPS, transcendentals=_COST["silu"][1],
+        flops=BWD_COST["silu"][0] + _GATED_EXTRA_FLOPS, transcendentals=BWD_COST["silu"][1],
         interpret=interpret,
     )
 
@@ -218,8 +175,8 @@ def glu_bwd(x, dy, *, activation: str, limit: Optional[float], interpret: bool =
     if R * d == 0:
         return jnp.zeros(x.shape, x.dtype)
     C.check_index_range("glu", rows=R, cols=2 * d)
-    t = _elementwise_tiling(R, d)
-    flops, trans = _COST[activation]
+    t = E.tiling(R, d)
+    flops, trans = BWD_COST[activation]
     # Row blocks on grid axis 0: it is the only axis that may exceed 65535 programs.
     return C.call(
         functools.partial(_glu_bwd_kernel, t=t, activation=activation, limit=limit),

@@ -1,9 +1,12 @@
-"""silu, gelu, swiglu, gated_linear_unit, glu and softmax: custom-derivative ops with fused backward kernels.
+"""silu, gelu, relu, leaky_relu, sigmoid, tanh, swiglu, gated_linear_unit, glu and softmax:
+custom-derivative ops with fused backward kernels.
 
 Forward (XLA): computed in float32 (float64 stays float64), output in the input's dtype.
 Saved for the backward: the inputs only, nothing derived (the activation is recomputed,
-which costs no extra memory traffic in a pass that reads the inputs anyway); softmax saves
-only its output y, since its gradient needs nothing else. Backward: the Pallas kernels in
+which costs no extra memory traffic in a pass that reads the inputs anyway); relu, sigmoid,
+tanh and softmax save only their output y, since their gradients need nothing else. The
+unary ops (silu, gelu, relu, leaky_relu, sigmoid, tanh) come from the elementwise factory
+(``jaxbwd/vjp/elementwise.py``). Backward: the Pallas kernels in
 ``jaxbwd/pallas/activations.py`` or the same formulas in XLA, both built on that file's
 derivative functions.
 """
@@ -18,6 +21,7 @@ import numpy as np
 from jaxbwd.pallas import activations as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
+from jaxbwd.vjp.elementwise import Elementwise
 from jaxbwd import sharding as S
 
 
@@ -46,28 +50,21 @@ def _check_limit(op, limit):
     return float(limit)
 
 
-# -------------------------------------------------------------------------------- silu
-@functools.partial(custom_op, nondiff_argnums=(1,))
-def _silu(x, impl):
-    return _act("silu", _cf(x)).astype(x.dtype)
-
-
-def _silu_fwd(x, impl):
-    return _silu.fun(x, impl), x
-
-
-def _silu_tangent(impl, x, dx):
-    return (_cf(dx) * kernels.silu_and_grad(_cf(x))[1]).astype(x.dtype)
-
-
-def _silu_bwd(impl, x, dy):
-    if impl.pallas:
-        return (kernels.silu_bwd(x, dy, interpret=impl.interpret),)
-    return ((_cf(dy) * kernels.silu_and_grad(_cf(x))[1]).astype(x.dtype),)
-
-
-_silu.defvjp(_silu_fwd, _silu_bwd)
-_silu.deftangent(_silu_tangent)
+# ------------------------------------------------- elementwise ops from the factory
+_SILU = Elementwise("silu", lambda x: _act("silu", x), lambda x: kernels.silu_and_grad(x)[1],
+                    cost=lambda: kernels.BWD_COST["silu"])
+_GELU = Elementwise(
+    "gelu", lambda x, approximate: jax.nn.gelu(x, approximate=approximate),
+    lambda x, approximate: kernels.gelu_and_grad(x, approximate=approximate, erf=jax.lax.erf)[1],
+    kernel_derivative=lambda x, approximate: kernels.gelu_and_grad(x, approximate=approximate)[1],
+    cost=lambda approximate: kernels.BWD_COST["gelu" if approximate else "gelu_exact"])
+_RELU = Elementwise("relu", lambda x: jnp.maximum(x, 0), kernels.relu_grad, saves="output",
+                    cost=lambda **_: kernels.BWD_COST["relu"])
+_LEAKY_RELU = Elementwise("leaky_relu", lambda x, negative_slope: jnp.where(x >= 0, x, negative_slope * x),
+                          kernels.leaky_relu_grad, cost=lambda **_: kernels.BWD_COST["leaky_relu"])
+_SIGMOID = Elementwise("sigmoid", jax.nn.sigmoid, kernels.sigmoid_grad, saves="output",
+                       cost=lambda **_: kernels.BWD_COST["sigmoid"])
+_TANH = Elementwise("tanh", jnp.tanh, kernels.tanh_grad, saves="output", cost=lambda **_: kernels.BWD_COST["tanh"])
 
 
 def silu(x, *, implementation=None):
@@ -93,34 +90,7 @@ def silu(x, *, implementation=None):
     """
     op = "silu"
     B.check_float(op, "x", x)
-    impl = B.impl(implementation, op, x)
-    return S.partitioned("...->...", lambda x: _silu(x, impl), x)
-
-
-# -------------------------------------------------------------------------------- gelu
-@functools.partial(custom_op, nondiff_argnums=(1, 2))
-def _gelu(x, approximate, impl):
-    return _act("gelu" if approximate else "gelu_exact", _cf(x)).astype(x.dtype)
-
-
-def _gelu_fwd(x, approximate, impl):
-    return _gelu.fun(x, approximate, impl), x
-
-
-def _gelu_tangent(approximate, impl, x, dx):
-    da = kernels.gelu_and_grad(_cf(x), approximate=approximate, erf=jax.lax.erf)[1]
-    return (_cf(dx) * da).astype(x.dtype)
-
-
-def _gelu_bwd(approximate, impl, x, dy):
-    if impl.pallas:
-        return (kernels.gelu_bwd(x, dy, approximate=approximate, interpret=impl.interpret),)
-    da = kernels.gelu_and_grad(_cf(x), approximate=approximate, erf=jax.lax.erf)[1]
-    return ((_cf(dy) * da).astype(x.dtype),)
-
-
-_gelu.defvjp(_gelu_fwd, _gelu_bwd)
-_gelu.deftangent(_gelu_tangent)
+    return _SILU.partitioned(x, B.impl(implementation, op, x))
 
 
 def gelu(x, *, approximate=True, implementation=None):
@@ -148,8 +118,114 @@ def gelu(x, *, approximate=True, implementation=None):
     B.check_float(op, "x", x)
     if not isinstance(approximate, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.gelu: approximate must be a Python bool, got {approximate!r}")
-    impl = B.impl(implementation, op, x)
-    return S.partitioned("...->...", lambda x: _gelu(x, bool(approximate), impl), x)
+    return _GELU.partitioned(x, B.impl(implementation, op, x), approximate=bool(approximate))
+
+
+def relu(x, *, implementation=None):
+    """ReLU, ``max(x, 0)``, elementwise, as ``jax.nn.relu`` (gradient 0 at x = 0).
+
+    Args:
+      x: [...] float32, bfloat16 or float16 (any shape).
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype.
+
+    Residuals: the output y only (``y > 0`` is the derivative; the next layer usually keeps
+    y anyway, so the residual is shared). Backward: ``dx = dy * (y > 0)``; the Pallas kernel
+    ``relu_bwd`` or the same in XLA. A kernel does not pay here: XLA's backward is one loop
+    fusion reading y and dy and writing dx, the minimum bytes; ``relu_bwd`` moves the same.
+    It exists because the elementwise factory gives every such op one (one formula, one
+    switch); on GPU prefer ``implementation="xla"`` where relu's backward can fuse into a
+    neighbour.
+
+    Raises:
+      TypeError: x not a floating array.
+      ValueError: unknown implementation.
+
+    Source: Nair & Hinton, "Rectified Linear Units Improve Restricted Boltzmann Machines" (2010).
+    """
+    op = "relu"
+    B.check_float(op, "x", x)
+    return _RELU.partitioned(x, B.impl(implementation, op, x))
+
+
+def leaky_relu(x, negative_slope=0.01, *, implementation=None):
+    """Leaky ReLU as ``jax.nn.leaky_relu``: ``x`` where ``x >= 0``, else ``negative_slope * x``.
+
+    Args:
+      x: [...] float32, bfloat16 or float16.
+      negative_slope: a static Python number (default 0.01, jax.nn's); any real value.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype, computed in float32.
+
+    Residuals: x (for ``negative_slope <= 0`` the output's sign does not tell the branch).
+    Backward: ``dx = dy * (1 if x >= 0 else negative_slope)``, kernel ``leaky_relu_bwd`` or
+    XLA. As for :func:`relu`, the kernel moves the same bytes as XLA's fused backward and
+    does not pay in time.
+
+    Raises:
+      TypeError: x not floating; negative_slope traced or not a real number.
+      ValueError: unknown implementation.
+
+    Source: Maas, Hannun & Ng, "Rectifier Nonlinearities Improve Neural Network Acoustic
+    Models" (2013).
+    """
+    op = "leaky_relu"
+    B.check_float(op, "x", x)
+    slope = B.check_static_number(op, "negative_slope", negative_slope)
+    return _LEAKY_RELU.partitioned(x, B.impl(implementation, op, x), negative_slope=slope)
+
+
+def sigmoid(x, *, implementation=None):
+    """Logistic sigmoid ``1 / (1 + exp(-x))``, elementwise, as ``jax.nn.sigmoid``.
+
+    Args:
+      x: [...] float32, bfloat16 or float16.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype, computed in float32.
+
+    Residuals: the output y only. Backward: ``dx = dy * y * (1 - y)``, kernel
+    ``sigmoid_bwd`` or XLA; no transcendental in the backward. The kernel moves the same
+    bytes as XLA's fused backward (read y, dy; write dx) and does not pay in time.
+
+    Raises:
+      TypeError: x not floating.
+      ValueError: unknown implementation.
+
+    Source: the logistic function; derivative ``s' = s (1 - s)``.
+    """
+    op = "sigmoid"
+    B.check_float(op, "x", x)
+    return _SIGMOID.partitioned(x, B.impl(implementation, op, x))
+
+
+def tanh(x, *, implementation=None):
+    """Hyperbolic tangent, elementwise, as ``jnp.tanh``.
+
+    Args:
+      x: [...] float32, bfloat16 or float16.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [...] in x's dtype, computed in float32.
+
+    Residuals: the output y only. Backward: ``dx = dy * (1 - y**2)``, kernel ``tanh_bwd`` or
+    XLA. The kernel moves the same bytes as XLA's fused backward and does not pay in time.
+
+    Raises:
+      TypeError: x not floating.
+      ValueError: unknown implementation.
+
+    Source: derivative ``tanh' = 1 - tanh**2``.
+    """
+    op = "tanh"
+    B.check_float(op, "x", x)
+    return _TANH.partitioned(x, B.impl(implementation, op, x))
 
 
 # ------------------------------------------------------------------------------ swiglu

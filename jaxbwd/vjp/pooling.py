@@ -1,0 +1,300 @@
+"""max_pool2d, avg_pool2d and adaptive_avg_pool2d (NHWC), with deterministic gather-form backwards.
+
+The windowed pools follow ``flax.linen.max_pool`` / ``avg_pool``: ``window_shape``
+(kh, kw), ``strides`` (default 1), ``padding`` ``"VALID"``, ``"SAME"`` or ((lo, hi), (lo,
+hi)); max pooling pads with -inf, average pooling with zeros (``count_include_pad``
+as flax). Window offsets ``d = (di, dj)`` are visited in row-major order.
+
+Backward, gather form (no scatter, no atomics, bitwise reproducible). max_pool2d: the
+forward saves, per output element, the row-major offset of the window element it selected
+(int8), not x or y; ties go to the first maximal element in row-major order (what XLA's
+``select_and_scatter`` selects). The Pallas kernel ``max_pool2d_bwd``
+(``jaxbwd/pallas/pooling.py``) writes each dx element once from the candidate windows'
+offsets and dy; the XLA formula places ``dy`` (where the offset is d) at the input
+positions ``o * s + d`` with an interior-padded ``lax.pad`` and adds the kh*kw
+placements, which XLA fuses into one pass. avg_pool2d: the same placement of
+``dy / count`` with nothing saved; an XLA fusion that reads dy and writes dx, the minimum,
+so no kernel. adaptive_avg_pool2d: two small averaging matrices applied by ``einsum``
+(XLA dots); its backward is their transposes.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxbwd.pallas import pooling as kernels
+from jaxbwd.vjp import _base as B
+from jaxbwd.vjp._derivatives import custom_op
+
+
+def _cf(x):
+    return x.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+
+
+def _pair(op, name, v, default=None):
+    if v is None:
+        return default
+    given = v
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        v = (int(v), int(v))
+    if (not isinstance(v, (tuple, list)) or len(v) != 2
+            or not all(isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and e >= 1 for e in v)):
+        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= 1 or a pair of them, got {given!r}")
+    return tuple(int(e) for e in v)
+
+
+def _pads(op, padding, hw, window, strides):
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)), got {padding!r}")
+        return tuple(tuple(p) for p in lax.padtype_to_pads(hw, window, strides, padding.upper()))
+    try:
+        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+        pads = ()
+    if len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
+        raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with "
+                         f"non-negative ints, got {padding!r}")
+    return pads
+
+
+def _geometry(op, x, window_shape, strides, padding):
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C])")
+    window = _pair(op, "window_shape", window_shape)
+    strides = _pair(op, "strides", strides, (1, 1))
+    pads = _pads(op, padding, x.shape[1:3], window, strides)
+    out = tuple((x.shape[1 + i] + sum(pads[i]) - window[i]) // strides[i] + 1 for i in range(2))
+    if min(out) < 1:
+        raise ValueError(f"jaxbwd.{op}: window_shape {window} is larger than the padded input "
+                         f"{tuple(x.shape[1 + i] + sum(pads[i]) for i in range(2))}")
+    return window, strides, pads, out, tuple(x.shape[1:3])
+
+
+def _taps(xp, window, strides, out):
+    """(d, xp[:, d + o*s, :]) for every window offset d in row-major order."""
+    for di in range(window[0]):
+        for dj in range(window[1]):
+            yield (di, dj), lax.slice(
+                xp, (0, di, dj, 0),
+                (xp.shape[0], di + strides[0] * (out[0] - 1) + 1, dj + strides[1] * (out[1] - 1) + 1, xp.shape[3]),
+                (1, strides[0], strides[1], 1))
+
+
+def _place(v, d, strides, padded_hw):
+    """v [N, Ho, Wo, C] at positions o*s + d of a zero [N, Hp, Wp, C] array (interior padding)."""
+    cfg = [(0, 0, 0)]
+    for i in range(2):
+        span = d[i] + strides[i] * (v.shape[1 + i] - 1) + 1
+        cfg.append((d[i], padded_hw[i] - span, strides[i] - 1))
+    return lax.pad(v, jnp.zeros((), v.dtype), cfg + [(0, 0, 0)])
+
+
+def _crop(xp, pads, hw):
+    return xp[:, pads[0][0]:pads[0][0] + hw[0], pads[1][0]:pads[1][0] + hw[1], :]
+
+
+def _pad(x, pads, value):
+    return lax.pad(x, jnp.asarray(value, x.dtype), [(0, 0, 0), (*pads[0], 0), (*pads[1], 0), (0, 0, 0)])
+
+
+# ---------------------------------------------------------------------------- max_pool2d
+@functools.partial(custom_op, nondiff_argnums=(1, 2), name="max_pool2d")
+def _max_pool(x, geom, impl):
+    window, strides, pads, out, hw = geom
+    xp = _pad(x, pads, -jnp.inf)
+    y = None
+    for _, v in _taps(xp, window, strides, out):
+        y = v if y is None else jnp.maximum(y, v)
+    return y
+
+
+def _max_fwd(x, geom, impl):
+    y = _max_pool.fun(x, geom, impl)
+    return y, _selected(x, y, geom)
+
+
+def _selected(x, y, geom):
+    """The row-major offset of each window's first maximal element, [N, Ho, Wo, C] (int8 for
+    windows of up to 127 elements, else int32)."""
+    window, strides, pads, out, hw = geom
+    dt = jnp.int8 if window[0] * window[1] <= 127 else jnp.int32
+    sel = jnp.full(y.shape, -1, dt)
+    for k, (_, v) in enumerate(_taps(_pad(x, pads, -jnp.inf), window, strides, out)):
+        sel = jnp.where((sel < 0) & (v == y), jnp.asarray(k, dt), sel)
+    return sel
+
+
+def _max_bwd(geom, impl, sel, dy):
+    window, strides, pads, out, hw = geom
+    if impl.pallas:
+        return (kernels.max_pool2d_bwd(sel, dy, in_hw=hw, window=window, strides=strides,
+                                       pad_lo=(pads[0][0], pads[1][0]), interpret=impl.interpret),)
+    padded = tuple(hw[i] + sum(pads[i]) for i in range(2))
+    acc = jnp.zeros((dy.shape[0], *padded, dy.shape[3]), jnp.promote_types(dy.dtype, jnp.float32))
+    for k, d in enumerate(np.ndindex(*window)):
+        acc = acc + _place(jnp.where(sel == k, _cf(dy), 0.0), d, strides, padded)
+    return (_crop(acc, pads, hw).astype(dy.dtype),)
+
+
+def _max_tangent(geom, impl, sel, dx):
+    window, strides, pads, out, hw = geom
+    t = jnp.zeros(sel.shape, dx.dtype)
+    for k, (_, v) in enumerate(_taps(_pad(dx, pads, 0.0), window, strides, out)):
+        t = jnp.where(sel == k, v, t)
+    return t
+
+
+_max_pool.defvjp(_max_fwd, _max_bwd)
+_max_pool.deftangent(_max_tangent)
+
+
+def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation=None):
+    """Max pooling over NHWC windows, as ``flax.linen.max_pool`` on 4-D inputs.
+
+    Args:
+      x: [N, H, W, C] float32, bfloat16 or float16.
+      window_shape: int or (kh, kw). strides: None (1), int or (sh, sw).
+      padding: ``"VALID"``, ``"SAME"`` or ((top, bottom), (left, right)); padded cells are -inf.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [N, Ho, Wo, C] in x's dtype, ``Ho = (H + pads - kh) // sh + 1``.
+
+    Residuals: the selected offset per output element (int8 for windows up to 127
+    elements; int32 beyond). Backward: Pallas ``max_pool2d_bwd`` or the XLA formula, both
+    gather form (module docstring); ties go to the first maximal element of the window in
+    row-major order, as XLA's own gradient.
+
+    Raises:
+      TypeError: x not floating. ValueError: x not rank 4; bad window/strides/padding; a
+      window larger than the padded input; unknown implementation.
+
+    Source: max pooling as in ``flax.linen.max_pool`` / ``lax.reduce_window``.
+    """
+    op = "max_pool2d"
+    geom = _geometry(op, x, window_shape, strides, padding)
+    return _max_pool(x, geom, B.impl(implementation, op, x))
+
+
+# ---------------------------------------------------------------------------- avg_pool2d
+@functools.partial(custom_op, nondiff_argnums=(1, 2, 3), name="avg_pool2d")
+def _avg_pool(x, geom, count_include_pad, impl):
+    window, strides, pads, out, hw = geom
+    s = None
+    for _, v in _taps(_pad(_cf(x), pads, 0.0), window, strides, out):
+        s = v if s is None else s + v
+    return (s / _counts(geom, count_include_pad)).astype(x.dtype)
+
+
+def _counts(geom, count_include_pad):
+    """Elements per window: kh*kw, or (count_include_pad=False) the unpadded ones, [1, Ho, Wo, 1]."""
+    window, strides, pads, out, hw = geom
+    if count_include_pad:
+        return float(window[0] * window[1])
+    ones = np.zeros((1, hw[0] + sum(pads[0]), hw[1] + sum(pads[1]), 1), np.float32)
+    ones[:, pads[0][0]:pads[0][0] + hw[0], pads[1][0]:pads[1][0] + hw[1]] = 1
+    c = sum(ones[:, di:di + strides[0] * (out[0] - 1) + 1:strides[0], dj:dj + strides[1] * (out[1] - 1) + 1:strides[1]]
+            for di in range(window[0]) for dj in range(window[1]))
+    return np.maximum(c, 1.0)  # a constant: numpy, folded into the program
+
+
+def _avg_fwd(x, geom, count_include_pad, impl):
+    return _avg_pool.fun(x, geom, count_include_pad, impl), None
+
+
+def _avg_spread(dy, geom, count_include_pad):
+    window, strides, pads, out, hw = geom
+    padded = tuple(hw[i] + sum(pads[i]) for i in range(2))
+    g = _cf(dy) / _counts(geom, count_include_pad)
+    acc = None
+    for d in np.ndindex(*window):
+        p = _place(g, d, strides, padded)
+        acc = p if acc is None else acc + p
+    return _crop(acc, pads, hw).astype(dy.dtype)
+
+
+def _avg_bwd(geom, count_include_pad, impl, res, dy):
+    return (_avg_spread(dy, geom, count_include_pad),)
+
+
+def _avg_tangent(geom, count_include_pad, impl, res, dx):
+    return _avg_pool.fun(dx, geom, count_include_pad, impl)
+
+
+_avg_pool.defvjp(_avg_fwd, _avg_bwd)
+_avg_pool.deftangent(_avg_tangent)
+
+
+def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True, *, implementation=None):
+    """Average pooling over NHWC windows, as ``flax.linen.avg_pool`` on 4-D inputs.
+
+    Args:
+      x: [N, H, W, C] float32, bfloat16 or float16.
+      window_shape, strides, padding: as :func:`max_pool2d` (padded cells are zeros).
+      count_include_pad: static bool; True divides by kh*kw (flax's default), False by the
+        number of unpadded cells in each window.
+      implementation: accepted for uniformity; both run the XLA gather-form backward.
+
+    Returns:
+      [N, Ho, Wo, C] in x's dtype, computed in float32.
+
+    Residuals: none (the backward needs only shapes). Backward: dy / count spread over
+    each window in gather form (module docstring).
+
+    Raises:
+      TypeError: x not floating; count_include_pad not a bool. ValueError: as max_pool2d.
+
+    Source: average pooling as in ``flax.linen.avg_pool``.
+    """
+    op = "avg_pool2d"
+    geom = _geometry(op, x, window_shape, strides, padding)
+    if not isinstance(count_include_pad, (bool, np.bool_)):
+        raise TypeError(f"jaxbwd.{op}: count_include_pad must be a Python bool, got {count_include_pad!r}")
+    return _avg_pool(x, geom, bool(count_include_pad), B.impl(implementation, op, x))
+
+
+# ------------------------------------------------------------------- adaptive_avg_pool2d
+def _bins(n_in: int, n_out: int) -> np.ndarray:
+    """[n_out, n_in] averaging matrix: bin i covers [floor(i n_in / n_out), ceil((i+1) n_in / n_out))."""
+    m = np.zeros((n_out, n_in), np.float32)
+    for i in range(n_out):
+        lo, hi = (i * n_in) // n_out, -(-((i + 1) * n_in) // n_out)
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return m
+
+
+def adaptive_avg_pool2d(x, output_size, *, implementation=None):
+    """Adaptive average pooling to a fixed output size (torch's ``AdaptiveAvgPool2d`` bins), NHWC.
+
+    Args:
+      x: [N, H, W, C] floating. output_size: int or (oh, ow), each >= 1.
+      implementation: accepted for uniformity; XLA by design (see Backward).
+
+    Returns:
+      [N, oh, ow, C] in x's dtype, computed in float32. Output row i averages input rows
+      ``floor(i H / oh)`` to ``ceil((i + 1) H / oh) - 1`` (likewise for columns).
+
+    Residuals: none. Backward: ``dx = A_h^T dy A_w`` with the two constant averaging
+    matrices, XLA dots (autodiff of the einsum): linear, deterministic, and with windows
+    that may overlap and differ in size a kernel would not beat two small GEMMs.
+
+    Raises:
+      TypeError: x not floating. ValueError: x not rank 4; output_size not ints >= 1.
+
+    Source: PyTorch's ``AdaptiveAvgPool2d`` bin convention; ``output_size=1`` is global
+    average pooling.
+    """
+    op = "adaptive_avg_pool2d"
+    B.check_float(op, "x", x)
+    B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C])")
+    oh, ow = _pair(op, "output_size", output_size)
+    B.impl(implementation, op, x)
+    ah, aw = _bins(x.shape[1], oh), _bins(x.shape[2], ow)
+    cf = jnp.promote_types(x.dtype, jnp.float32)
+    y = jnp.einsum("ih,nhwc,jw->nijc", ah.astype(cf), x.astype(cf), aw.astype(cf),
+                   precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
