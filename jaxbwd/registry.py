@@ -365,7 +365,7 @@ _SPECS: list[OpSpec] = [
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
         diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
-        backward="Pallas: forward row max/sum + loss over vocab tiles (online softmax); backward recomputes exp(x - max) / sum",
+        backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1",
         examples=(
             Example("6x37-mean", lambda k, dt: ((2.0 * _normal(k, (6, 37), dt), jax.random.randint(jax.random.fold_in(k, 1), (6,), 0, 37).at[2].set(-100)), {})),
             Example("2x3x50-smooth-z-sum", lambda k, dt: ((2.0 * _normal(k, (2, 3, 50), dt), jax.random.randint(jax.random.fold_in(k, 1), (2, 3), 0, 50)), {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"})),
@@ -388,7 +388,7 @@ _SPECS: list[OpSpec] = [
         ),
         bench=(("llm", Example("8192x128256-bf16", lambda k, dt: (
             (_normal(k, (8192, 128256), "bfloat16"), jax.random.randint(jax.random.fold_in(k, 1), (8192,), 0, 128256)), {}))),),
-        # logits (already live) + int32 labels + f32 row max and sum: O(rows) beyond the logits.
+        # The unit-cotangent gradient in logits' dtype, in place of the logits (not kept).
         residual_budget=lambda logits, labels, **_: _nbytes(logits) + 12 * _rows(logits),
     ),
     OpSpec(

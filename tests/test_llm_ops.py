@@ -290,6 +290,25 @@ def test_cross_entropy_pallas_uses_both_kernels():
     with config.use(interpret=True):
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: cross_entropy(x, labels, implementation="pallas")))(logits))
     assert "name=cross_entropy_fwd" in jaxpr and "name=cross_entropy_bwd" in jaxpr
+    # The backward scales the forward's gradient in place; a loss that is not differentiated
+    # runs the statistics kernel alone.
+    assert "input_output_aliases=((0, 0),)" in jaxpr.split("name=cross_entropy_bwd")[0].rsplit("pallas_call", 1)[1]
+    with config.use(interpret=False):
+        primal = _lowered_kernels(lambda x: cross_entropy(x, labels, implementation="pallas"), logits)
+    assert primal == ["cross_entropy_stats"], primal
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_bwd_kernel_skips_only_unit_rows(dtype):
+    from jaxbwd.pallas import losses as ce_kernels
+
+    d = _normal(0, (40, 9000), dtype)  # two column tiles; row blocks of one row
+    g = jnp.where(jnp.arange(40) % 3 == 0, 1.0, jnp.linspace(-2.0, 2.0, 40)).astype(jnp.float32)
+    out = ce_kernels.cross_entropy_bwd(d, g, interpret=True)
+    want = (g[:, None] * d.astype(jnp.float32)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    out16 = ce_kernels.cross_entropy_bwd(d.astype(jnp.float32), g, out_dtype=jnp.float16, interpret=True)
+    np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
