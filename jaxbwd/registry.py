@@ -393,8 +393,8 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="embed", family="embedding", fn=embedding.embed, reference=ref.embed,
-        diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd",),
-        backward="Pallas: stable argsort of ids (XLA), then one program per table row sums its dy segment in f32",
+        diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd", "embed_bwd_hot"),
+        backward="Pallas: stable argsort of ids (XLA), programs only over the ids present sum 64-token chunks of dy in f32 into the zero-filled gradient; hot ids' chunks added in a fixed order",
         examples=(
             Example("5x7@13x24", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (5, 7), -1, 14), _normal(k, (13, 24), dt)), {}), (1,)),
             Example("40@9x33-pad0", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (40,), 0, 9), _normal(k, (9, 33), dt)), {"padding_idx": 0}), (1,)),
@@ -417,7 +417,7 @@ _SPECS: list[OpSpec] = [
         name="rope", family="rope", fn=rope.rope, reference=ref.rope,
         diff_argnums=(0,), static_params=("theta", "interleaved", "scale_factor", "frequency_scaling"),
         kernels=("rope_bwd",),
-        backward="Pallas: dy rotated by the negative angle, angles recomputed in f32 in registers",
+        backward="Pallas: dy rotated by the negative angle, cos/sin computed in f32 registers once per (position, pair) and reused across the heads",
         examples=(
             Example("2x5x3x8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {})),
             Example("1x6x2x16-interleaved-pos[T]", lambda k, dt: ((_normal(k, (1, 6, 2, 16), dt),), {"positions": jnp.array([3, 4, 5, 9, 10, 11]), "interleaved": True})),
@@ -506,8 +506,8 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="group_norm", family="norms", fn=group_norm_ops.group_norm, reference=ref.group_norm,
-        diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd",),
-        backward="Pallas: dx per (sample, group) with chunked spatial loops + f32 dweight/dbias partials per sample",
+        diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd_sums", "group_norm_bwd"),
+        backward="Pallas: per (sample, spatial chunk) programs over whole-channel pixel rows: f32 partial sums (XLA reduces them in a fixed order), then dx",
         examples=tuple(
             Example(
                 f"{'x'.join(map(str, s))}-g{g}-{act}",

@@ -27,6 +27,8 @@ KNOWN_SPILLS = {
     # A100, bf16, window + softcap at head_dim 64: 255 registers, a few words over.
     ("attention_fwd", "bfloat16", "a100"): 48, ("attention_bwd_dq", "bfloat16", "a100"): 40,
     ("layer_norm_bwd", "float32", "a100"): 72, ("layer_norm_bwd", "bfloat16", "a100"): 96,
+    # rope_bwd: not register spills; the 32-byte stack is libdevice sin/cos's buffer for the
+    # Payne-Hanek reduction of large angles (|angle| > 105615, positions past ~100k).
     ("rope_bwd", "float32", "h200"): 32, ("rope_bwd", "bfloat16", "h200"): 32,
     ("rope_bwd", "float32", "a100"): 32, ("rope_bwd", "bfloat16", "a100"): 32,
     ("upsample2d_bwd", "float32", "h200"): 8, ("upsample2d_bwd", "bfloat16", "h200"): 8,
@@ -38,8 +40,12 @@ EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "cross_e
 NO_EXPF = EXP2_ONLY | {"cross_entropy_bwd", "group_norm_bwd"}
 # Memory-bound ops: all of the case's kernels' operand+result bytes over the op's minimum
 # (each input and the cotangent read once, each gradient written once). For these the
-# instrument's figure may not exceed the bound.
-IO_OVER_MIN = {"embed": 1.1, "group_norm": 1.1, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchify": 1.1}
+# instrument's figure may not exceed the bound. (embed is not here: its kernels write rows
+# of a zero-filled gradient in place, and the instrument counts an aliased buffer as read
+# and written whole by each kernel.) group_norm's two-pass reduction reads x and dy once per
+# kernel: 5/3 of the minimum plus O(N * C) partials (the one-kernel layout before it did the
+# same second read inside one kernel, where the instrument did not count it).
+IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchify": 1.1}
 # cross_entropy: the forward kernel reads the logits once and writes the unit-cotangent
 # gradient once, the op's minimum of two passes over [rows, V]; the backward's in-place scale
 # moves nothing at cotangent 1 (the instrument counts it statically, as a third and fourth pass).

@@ -50,6 +50,28 @@ def test_embed_all_ids_equal_sum_exactly(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_embed_hot_ids_at_chunk_boundaries(impl):
+    # Ids with 64 tokens (one chunk), 65 and 300 (hot: several chunks added in order), 1, and
+    # rows nobody hits; integer-valued dy so that every f32 sum is exact in any order.
+    from jaxbwd.pallas import embedding as emb
+
+    V, D = 50, 700  # two column blocks
+    ids = np.concatenate([np.full(300, 3), np.full(65, 7), np.full(64, 9), np.full(128, 11), [20, 21, 21], [-1, 50]])
+    ids = jnp.asarray(np.random.default_rng(0).permutation(ids), jnp.int32)
+    ct = jnp.round(4.0 * _normal(2, (ids.shape[0], D)))
+    _, g = _vjp(lambda t: embed(ids, t, implementation=impl), _normal(1, (V, D)), ct)
+    want = np.zeros((V + 1, D))
+    np.add.at(want, np.where((np.asarray(ids) < 0) | (np.asarray(ids) >= V), V, np.asarray(ids)), np.asarray(ct, np.float64))
+    np.testing.assert_array_equal(g, want[:V])
+    work = emb.plan(jnp.where((ids >= 0) & (ids < V), ids, V), V)
+    live = np.asarray(work["end"]) > np.arange(ids.shape[0])
+    # 300 -> 5 chunks, 65 -> 2, 64 -> 1, 128 -> 2, then ids 20 and 21: work for present ids only.
+    assert live.sum() == 5 + 2 + 1 + 2 + 2
+    counts = np.asarray(work["hot_count"])
+    assert counts[counts > 0].tolist() == [5, 2, 2]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_embed_random_duplicates_and_out_of_range(impl):
     V, D = 13, 24
     ids = jax.random.randint(KEY, (256, 3, 7), -2, V + 2)  # many duplicates, some out of range
