@@ -30,8 +30,11 @@ from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
 
-# Elements per [block_s, C] tile: 4096 f32 values keep x, dy and the recomputed terms in registers.
+# Elements per [block_s, C] tile: 4096 f32 values keep x, dy and the recomputed terms in
+# registers; half as many with the fused SiLU, whose extra terms would otherwise leave room
+# for one block per SM (132-136 registers at 4096, compiled for sm_90/sm_80).
 GROUP_TILE = 4096
+GROUP_TILE_SILU = 2048
 # Programs per SM the spatial chunking aims for.
 PROGRAMS_PER_SM = 4
 
@@ -98,10 +101,10 @@ def _dx_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref, 
     jax.lax.fori_loop(0, rows_per_program // block_s, body, 0)
 
 
-def _layout(N: int, S: int, Cc: int):
+def _layout(N: int, S: int, Cc: int, silu: bool):
     """(block_c, block_s, rows_per_program, K): [block_s, C] tiles, K spatial chunks per sample."""
     block_c = C.next_pow2(Cc)
-    block_s = max(1, min(C.next_pow2(S), GROUP_TILE // block_c))
+    block_s = max(1, min(C.next_pow2(S), (GROUP_TILE_SILU if silu else GROUP_TILE) // block_c))
     tiles = C.cdiv(S, block_s)
     K = max(1, min(tiles, C.cdiv(PROGRAMS_PER_SM * C.GPU_NUM_CORES, N)))
     rows_per_program = C.cdiv(tiles, K) * block_s
@@ -122,7 +125,7 @@ def group_norm_bwd(x, w, b, dy, mean, rstd, *, num_groups: int, silu: bool, inte
     G = num_groups
     Cg = Cc // G
     C.check_index_range("group_norm", rows=N * S, cols=Cc)
-    block_c, block_s, rows_per_program, K = _layout(N, S, Cc)
+    block_c, block_s, rows_per_program, K = _layout(N, S, Cc, silu)
     # Per-channel copies of the [N, G] statistics (N*C*8 bytes): one vector load per program.
     mean_c = jnp.repeat(mean.astype(jnp.float32), Cg, axis=1)
     rstd_c = jnp.repeat(rstd.astype(jnp.float32), Cg, axis=1)
