@@ -280,6 +280,20 @@ def test_cross_entropy_bf16_error_no_worse_than_autodiff(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_float16_loss_scaling_keeps_small_gradients(impl):
+    # The saved gradient of float16 logits is float32: softmax / rows values below float16's
+    # range survive until a loss-scaling cotangent brings them back into it.
+    logits32, labels = _ce_inputs(shape=(512,), V=64, seed=5)
+    logits = (4.0 * logits32).astype(jnp.float16)
+    scale = 2.0**12
+    _, g = _vjp(lambda x: cross_entropy(x, labels, implementation=impl), logits, jnp.float16(scale))
+    _, g32 = _vjp(lambda x: ref.cross_entropy(x, labels), logits.astype(jnp.float32), jnp.float32(scale))
+    assert g.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g32.astype(jnp.float16), np.float32),
+                               rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
 def test_cross_entropy_all_ignored(impl, reduction):
     logits, _ = _ce_inputs(shape=(5,), V=20)
@@ -334,13 +348,15 @@ def test_cross_entropy_bwd_kernel_skips_only_unit_rows(dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_cross_entropy_residuals_are_o_rows(impl):
+def test_cross_entropy_residuals_are_the_size_of_the_logits(impl):
     logits, labels = _ce_inputs(shape=(8,), V=500)
     _, vjp = jax.vjp(lambda x: cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3, implementation=impl), logits)
     leaves = [x for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype")]
     saved = sum(x.size * x.dtype.itemsize for x in leaves)
     rows = 8
-    assert saved <= logits.nbytes + 12 * rows, saved  # logits + int32 labels + f32 row max and sum
+    # The unit-cotangent gradient in logits' dtype, kept instead of the logits (budget: the
+    # logits plus 12 bytes per row).
+    assert saved <= logits.nbytes + 12 * rows, saved
     _, vjp_ad = jax.vjp(lambda x: ref.cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3), logits)
     saved_ad = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_ad) if hasattr(x, "dtype"))
     assert saved < saved_ad
