@@ -574,7 +574,7 @@ _SPECS: list[OpSpec] = [
     OpSpec(
         name="unpatchify", family="vision", fn=vision.unpatchify, reference=ref.unpatchify,
         diff_argnums=(0,), static_params=("grid", "patch_size", "channels"), kernels=("unpatchify_bwd",),
-        backward="Pallas: patchify of dy (the inverse permutation), one read and one write",
+        backward="Pallas: patchify of dy (the inverse permutation) as copies of contiguous patch-row runs, one read and one write",
         examples=(
             Example("2x6x12-grid2x3-p2-c3", lambda k, dt: ((_normal(k, (2, 6, 12), dt),), {"grid": (2, 3), "patch_size": 2, "channels": 3})),
         ),

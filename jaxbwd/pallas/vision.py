@@ -6,8 +6,10 @@ every dx element is written exactly once, by one program, in a fixed order: no a
 bitwise reproducible.
 
 - pixel_shuffle / unpatchify: the backward is the inverse permutation (pixel_unshuffle,
-  patchify): one read and one write per element. The gather's (pixel, channel) source is
-  computed from the tile's (row, column) indices; no flat index, so nothing wraps at 2**31.
+  patchify): one read and one write per element. pixel_shuffle gathers each element's
+  (pixel, channel) source computed from the tile's (row, column) indices; unpatchify copies
+  the contiguous runs of p*C values that a patch row is in both layouts. No flat index, so
+  nothing wraps at 2**31.
 - upsample2d: each dx pixel sums the (sh x sw) dy block it was copied to (nearest), or the
   dy pixels whose bilinear stencil touches it, weighted by the interpolation weights
   recomputed from the half-pixel-centre formula (bilinear). The taps are a static loop.
@@ -70,22 +72,40 @@ def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
     return dx.reshape(N, H, W, Cc * r * r)
 
 
+def _patchify_kernel(dy_ref, out_ref, *, n_tok: int, T: int, gw: int, p: int, seg: int, block_rows: int,
+                     block_seg: int, Ho: int):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    k = jnp.arange(block_seg)
+    mask = (rows < n_tok)[:, None] & (k < seg)[None, :]
+    n, tok = C.idiv(rows, T), C.imod(rows, T)
+    gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
+    for i in range(p):  # patch row i: p pixels x C channels, contiguous in dy and in the token
+        src = jnp.where(rows < n_tok, n * Ho + gi * p + i, 0)
+        v = C.load(dy_ref, (src[:, None], gj[:, None] * seg + k[None, :]), mask)
+        C.store_tile(out_ref, rows, i * seg + k, v, mask)
+
+
 def unpatchify_bwd(dy, gh: int, gw: int, p: int, *, interpret: bool = False):
     """patchify of dy [N, gh*p, gw*p, C] -> dtokens [N, gh*gw, p*p*C].
 
-    ``dtokens[n, gi*gw+gj, (i*p+j)*C + c] = dy[n, gi*p+i, gj*p+j, c]``.
+    ``dtokens[n, gi*gw+gj, (i*p+j)*C + c] = dy[n, gi*p+i, gj*p+j, c]``: for each patch row i
+    the p*C values ``(j, c)`` are one contiguous run in dy (image row ``gi*p+i``, viewed as
+    [N*H, W*C]) and in the token, so the kernel copies [block_rows, p*C] tiles of runs:
+    contiguous, vectorisable loads and stores, no per-element index arithmetic.
     """
     N, Ho, Wo, Cc = dy.shape
-    T = gh * gw
-
-    def index(row, k):
-        n, tok = C.idiv(row, T), C.imod(row, T)
-        gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
-        i, j, c = C.idiv(k, p * Cc), C.imod(C.idiv(k, Cc), p), C.imod(k, Cc)
-        return (n * Ho + gi * p + i) * Wo + gj * p + j, c
-
-    dt = _gather(dy, N * T, p * p * Cc, index, name="unpatchify_bwd", interpret=interpret)
-    return dt.reshape(N, T, p * p * Cc)
+    T, seg = gh * gw, p * Cc
+    C.check_index_range("unpatchify", rows=N * Ho, cols=Wo * Cc, tokens=N * T)
+    block_seg = C.next_pow2(seg)
+    block_rows = max(1, min(C.next_pow2(N * T), PERMUTE_TILE // block_seg))
+    kernel = functools.partial(_patchify_kernel, n_tok=N * T, T=T, gw=gw, p=p, seg=seg, block_rows=block_rows,
+                               block_seg=block_seg, Ho=Ho)
+    dt = C.call(
+        kernel, name="unpatchify_bwd", grid=(C.cdiv(N * T, block_rows),),
+        out_shape=jax.ShapeDtypeStruct((N * T, p * seg), dy.dtype), interpret=interpret,
+        num_warps=max(1, min(8, block_rows * block_seg // 512)), bytes_accessed=2 * C.nbytes(dy),
+    )(dy.reshape(N * Ho, Wo * Cc))
+    return dt.reshape(N, T, p * seg)
 
 
 # ------------------------------------------------------------------------ upsample2d
