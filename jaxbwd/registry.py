@@ -559,7 +559,7 @@ _SPECS: list[OpSpec] = [
     OpSpec(
         name="pixel_shuffle", family="vision", fn=vision.pixel_shuffle, reference=ref.pixel_shuffle,
         diff_argnums=(0,), static_params=("upscale_factor",), kernels=("pixel_shuffle_bwd",),
-        backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write",
+        backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write; r = 2 interleaves four contiguous channel runs in registers",
         examples=(
             Example("1x2x3x27-r3", lambda k, dt: ((_normal(k, (1, 2, 3, 27), dt), 3), {})),
         ),

@@ -207,8 +207,9 @@ def test_upsample2d_bad_inputs():
 
 # -------------------------------------------------------------- pixel_shuffle, unpatchify
 @pytest.mark.parametrize("impl", IMPLS)
-def test_pixel_shuffle_element_order(impl):
-    r, N, H, W, Cc = 3, 2, 2, 3, 2
+@pytest.mark.parametrize("r,N,H,W,Cc", [(3, 2, 2, 3, 2), (2, 2, 3, 5, 3), (2, 1, 1, 2, 1100)],
+                         ids=["r3-gather", "r2-interleave", "r2-two-channel-blocks"])
+def test_pixel_shuffle_element_order(impl, r, N, H, W, Cc):
     x = _normal(0, (N, H, W, Cc * r * r))
     y = np.asarray(pixel_shuffle(x, r, implementation=impl))
     xn = np.asarray(x)

@@ -6,9 +6,11 @@ every dx element is written exactly once, by one program, in a fixed order: no a
 bitwise reproducible.
 
 - pixel_shuffle / unpatchify: the backward is the inverse permutation (pixel_unshuffle,
-  patchify): one read and one write per element. pixel_shuffle gathers each element's
-  (pixel, channel) source computed from the tile's (row, column) indices; unpatchify copies
-  the contiguous runs of p*C values that a patch row is in both layouts. No flat index, so
+  patchify): one read and one write per element. pixel_shuffle with r = 2 loads the four
+  source pixels' channel runs (contiguous) and interleaves them in registers; other r
+  gather each element's (pixel, channel) source computed from the tile's (row, column)
+  indices. unpatchify copies the contiguous runs of p*C values that a patch row is in both
+  layouts. No flat index, so
   nothing wraps at 2**31.
 - upsample2d: each dx pixel sums the (sh x sw) dy block it was copied to (nearest), or the
   dy pixels whose bilinear stencil touches it, weighted by the interpolation weights
@@ -55,13 +57,45 @@ def _gather(src, out_rows: int, out_cols: int, index, *, name: str, interpret: b
     )(src.reshape(pixels, src.shape[-1]))
 
 
+def _unshuffle2_kernel(dy_ref, out_ref, *, n_pix: int, H: int, W: int, Cc: int, block_rows: int, block_c: int):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    c = pl.program_id(1) * block_c + jnp.arange(block_c)
+    rmask = rows < n_pix
+    n, h, w = C.idiv(rows, H * W), C.imod(C.idiv(rows, W), H), C.imod(rows, W)
+    mask = rmask[:, None] & (c < Cc)[None, :]
+
+    def tap(i, j):  # dy pixel (n, 2h + i, 2w + j): one contiguous run of C channels
+        src = jnp.where(rmask, ((n * H + h) * 2 + i) * (2 * W) + w * 2 + j, 0)
+        return C.load(dy_ref, (src[:, None], c[None, :]), mask)
+
+    # dx channel 4c + 2i + j: the four taps interleaved in registers (two pairwise joins:
+    # i inner, j outer, so that j varies fastest).
+    v = jnp.stack([jnp.stack([tap(0, 0), tap(1, 0)], axis=-1), jnp.stack([tap(0, 1), tap(1, 1)], axis=-1)], axis=-1)
+    k = pl.program_id(1) * 4 * block_c + jnp.arange(4 * block_c)
+    C.store_tile(out_ref, rows, k, v.reshape(block_rows, 4 * block_c), rmask[:, None] & (k < 4 * Cc)[None, :])
+
+
 def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
     """pixel_unshuffle of dy [N, H*r, W*r, C] -> dx [N, H, W, C*r*r].
 
-    ``dx[n, h, w, c*r*r + i*r + j] = dy[n, h*r+i, w*r+j, c]``.
+    ``dx[n, h, w, c*r*r + i*r + j] = dy[n, h*r+i, w*r+j, c]``. For r = 2 each dx row is four
+    contiguous dy channel runs interleaved in registers (contiguous loads and stores); other r
+    gather element by element.
     """
     N, Hr, Wr, Cc = dy.shape
     H, W = Hr // r, Wr // r
+    if r == 2:
+        C.check_index_range("pixel_shuffle", pixels=N * Hr * Wr, rows=N * H * W, cols=Cc * 4)
+        block_c = min(C.next_pow2(Cc), PERMUTE_TILE // 4)
+        block_rows = max(1, min(C.next_pow2(N * H * W), PERMUTE_TILE // (4 * block_c)))
+        kernel = functools.partial(_unshuffle2_kernel, n_pix=N * H * W, H=H, W=W, Cc=Cc, block_rows=block_rows,
+                                   block_c=block_c)
+        dx = C.call(
+            kernel, name="pixel_shuffle_bwd", grid=(C.cdiv(N * H * W, block_rows), C.cdiv(Cc, block_c)),
+            out_shape=jax.ShapeDtypeStruct((N * H * W, Cc * 4), dy.dtype), interpret=interpret,
+            num_warps=max(1, min(8, block_rows * block_c * 4 // 512)), bytes_accessed=2 * C.nbytes(dy),
+        )(dy.reshape(N * Hr * Wr, Cc))
+        return dx.reshape(N, H, W, Cc * 4)
 
     def index(p, k):
         n, h, w = C.idiv(p, H * W), C.imod(C.idiv(p, W), H), C.imod(p, W)
