@@ -408,7 +408,7 @@ _SPECS: list[OpSpec] = [
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
         diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
-        backward="Pallas: forward row max/sum + loss over vocab tiles (online softmax); backward recomputes exp(x - max) / sum",
+        backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1",
         examples=(
             Example("6x37-mean", lambda k, dt: ((2.0 * _normal(k, (6, 37), dt), jax.random.randint(jax.random.fold_in(k, 1), (6,), 0, 37).at[2].set(-100)), {})),
             Example("2x3x50-smooth-z-sum", lambda k, dt: ((2.0 * _normal(k, (2, 3, 50), dt), jax.random.randint(jax.random.fold_in(k, 1), (2, 3), 0, 50)), {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"})),
@@ -431,13 +431,13 @@ _SPECS: list[OpSpec] = [
         ),
         bench=(("llm", Example("8192x128256-bf16", lambda k, dt: (
             (_normal(k, (8192, 128256), "bfloat16"), jax.random.randint(jax.random.fold_in(k, 1), (8192,), 0, 128256)), {}))),),
-        # logits (already live) + int32 labels + f32 row max and sum: O(rows) beyond the logits.
+        # The unit-cotangent gradient in logits' dtype, in place of the logits (not kept).
         residual_budget=lambda logits, labels, **_: _nbytes(logits) + 12 * _rows(logits),
     ),
     OpSpec(
         name="embed", family="embedding", fn=embedding.embed, reference=ref.embed,
-        diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd",),
-        backward="Pallas: stable argsort of ids (XLA), then one program per table row sums its dy segment in f32",
+        diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd", "embed_bwd_hot"),
+        backward="Pallas: stable argsort of ids (XLA), programs only over the ids present sum 64-token chunks of dy in f32 into the zero-filled gradient; hot ids' chunks added in a fixed order",
         examples=(
             Example("5x7@13x24", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (5, 7), -1, 14), _normal(k, (13, 24), dt)), {}), (1,)),
             Example("40@9x33-pad0", lambda k, dt: ((jax.random.randint(jax.random.fold_in(k, 1), (40,), 0, 9), _normal(k, (9, 33), dt)), {"padding_idx": 0}), (1,)),
@@ -460,7 +460,7 @@ _SPECS: list[OpSpec] = [
         name="rope", family="rope", fn=rope.rope, reference=ref.rope,
         diff_argnums=(0,), static_params=("theta", "interleaved", "scale_factor", "frequency_scaling"),
         kernels=("rope_bwd",),
-        backward="Pallas: dy rotated by the negative angle, angles recomputed in f32 in registers",
+        backward="Pallas: dy rotated by the negative angle, cos/sin computed in f32 registers once per (position, pair) and reused across the heads",
         examples=(
             Example("2x5x3x8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {})),
             Example("1x6x2x16-interleaved-pos[T]", lambda k, dt: ((_normal(k, (1, 6, 2, 16), dt),), {"positions": jnp.array([3, 4, 5, 9, 10, 11]), "interleaved": True})),
@@ -549,8 +549,8 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="group_norm", family="norms", fn=group_norm_ops.group_norm, reference=ref.group_norm,
-        diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd",),
-        backward="Pallas: dx per (sample, group) with chunked spatial loops + f32 dweight/dbias partials per sample",
+        diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd_sums", "group_norm_bwd"),
+        backward="Pallas: per (sample, spatial chunk) programs over whole-channel pixel rows: f32 partial sums (XLA reduces them in a fixed order), then dx",
         examples=tuple(
             Example(
                 f"{'x'.join(map(str, s))}-g{g}-{act}",
@@ -602,7 +602,7 @@ _SPECS: list[OpSpec] = [
     OpSpec(
         name="pixel_shuffle", family="vision", fn=vision.pixel_shuffle, reference=ref.pixel_shuffle,
         diff_argnums=(0,), static_params=("upscale_factor",), kernels=("pixel_shuffle_bwd",),
-        backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write",
+        backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write; r = 2 interleaves four contiguous channel runs in registers",
         examples=(
             Example("1x2x3x27-r3", lambda k, dt: ((_normal(k, (1, 2, 3, 27), dt), 3), {})),
         ),
@@ -617,7 +617,7 @@ _SPECS: list[OpSpec] = [
     OpSpec(
         name="unpatchify", family="vision", fn=vision.unpatchify, reference=ref.unpatchify,
         diff_argnums=(0,), static_params=("grid", "patch_size", "channels"), kernels=("unpatchify_bwd",),
-        backward="Pallas: patchify of dy (the inverse permutation), one read and one write",
+        backward="Pallas: patchify of dy (the inverse permutation) as copies of contiguous patch-row runs, one read and one write",
         examples=(
             Example("2x6x12-grid2x3-p2-c3", lambda k, dt: ((_normal(k, (2, 6, 12), dt),), {"grid": (2, 3), "patch_size": 2, "channels": 3})),
         ),

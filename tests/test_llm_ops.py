@@ -50,6 +50,28 @@ def test_embed_all_ids_equal_sum_exactly(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_embed_hot_ids_at_chunk_boundaries(impl):
+    # Ids with 64 tokens (one chunk), 65 and 300 (hot: several chunks added in order), 1, and
+    # rows nobody hits; integer-valued dy so that every f32 sum is exact in any order.
+    from jaxbwd.pallas import embedding as emb
+
+    V, D = 50, 700  # two column blocks
+    ids = np.concatenate([np.full(300, 3), np.full(65, 7), np.full(64, 9), np.full(128, 11), [20, 21, 21], [-1, 50]])
+    ids = jnp.asarray(np.random.default_rng(0).permutation(ids), jnp.int32)
+    ct = jnp.round(4.0 * _normal(2, (ids.shape[0], D)))
+    _, g = _vjp(lambda t: embed(ids, t, implementation=impl), _normal(1, (V, D)), ct)
+    want = np.zeros((V + 1, D))
+    np.add.at(want, np.where((np.asarray(ids) < 0) | (np.asarray(ids) >= V), V, np.asarray(ids)), np.asarray(ct, np.float64))
+    np.testing.assert_array_equal(g, want[:V])
+    work = emb.plan(jnp.where((ids >= 0) & (ids < V), ids, V), V)
+    live = np.asarray(work["end"]) > np.arange(ids.shape[0])
+    # 300 -> 5 chunks, 65 -> 2, 64 -> 1, 128 -> 2, then ids 20 and 21: work for present ids only.
+    assert live.sum() == 5 + 2 + 1 + 2 + 2
+    counts = np.asarray(work["hot_count"])
+    assert counts[counts > 0].tolist() == [5, 2, 2]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_embed_random_duplicates_and_out_of_range(impl):
     V, D = 13, 24
     ids = jax.random.randint(KEY, (256, 3, 7), -2, V + 2)  # many duplicates, some out of range
@@ -258,6 +280,20 @@ def test_cross_entropy_bf16_error_no_worse_than_autodiff(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_cross_entropy_float16_loss_scaling_keeps_small_gradients(impl):
+    # The saved gradient of float16 logits is float32: softmax / rows values below float16's
+    # range survive until a loss-scaling cotangent brings them back into it.
+    logits32, labels = _ce_inputs(shape=(512,), V=64, seed=5)
+    logits = (4.0 * logits32).astype(jnp.float16)
+    scale = 2.0**12
+    _, g = _vjp(lambda x: cross_entropy(x, labels, implementation=impl), logits, jnp.float16(scale))
+    _, g32 = _vjp(lambda x: ref.cross_entropy(x, labels), logits.astype(jnp.float32), jnp.float32(scale))
+    assert g.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g32.astype(jnp.float16), np.float32),
+                               rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
 def test_cross_entropy_all_ignored(impl, reduction):
     logits, _ = _ce_inputs(shape=(5,), V=20)
@@ -290,16 +326,37 @@ def test_cross_entropy_pallas_uses_both_kernels():
     with config.use(interpret=True):
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: cross_entropy(x, labels, implementation="pallas")))(logits))
     assert "name=cross_entropy_fwd" in jaxpr and "name=cross_entropy_bwd" in jaxpr
+    # The backward scales the forward's gradient in place; a loss that is not differentiated
+    # runs the statistics kernel alone.
+    assert "input_output_aliases=((0, 0),)" in jaxpr.split("name=cross_entropy_bwd")[0].rsplit("pallas_call", 1)[1]
+    with config.use(interpret=False):
+        primal = _lowered_kernels(lambda x: cross_entropy(x, labels, implementation="pallas"), logits)
+    assert primal == ["cross_entropy_stats"], primal
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_bwd_kernel_skips_only_unit_rows(dtype):
+    from jaxbwd.pallas import losses as ce_kernels
+
+    d = _normal(0, (40, 9000), dtype)  # two column tiles; row blocks of one row
+    g = jnp.where(jnp.arange(40) % 3 == 0, 1.0, jnp.linspace(-2.0, 2.0, 40)).astype(jnp.float32)
+    out = ce_kernels.cross_entropy_bwd(d, g, interpret=True)
+    want = (g[:, None] * d.astype(jnp.float32)).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    out16 = ce_kernels.cross_entropy_bwd(d.astype(jnp.float32), g, out_dtype=jnp.float16, interpret=True)
+    np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_cross_entropy_residuals_are_o_rows(impl):
+def test_cross_entropy_residuals_are_the_size_of_the_logits(impl):
     logits, labels = _ce_inputs(shape=(8,), V=500)
     _, vjp = jax.vjp(lambda x: cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3, implementation=impl), logits)
     leaves = [x for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype")]
     saved = sum(x.size * x.dtype.itemsize for x in leaves)
     rows = 8
-    assert saved <= logits.nbytes + 12 * rows, saved  # logits + int32 labels + f32 row max and sum
+    # The unit-cotangent gradient in logits' dtype, kept instead of the logits (budget: the
+    # logits plus 12 bytes per row).
+    assert saved <= logits.nbytes + 12 * rows, saved
     _, vjp_ad = jax.vjp(lambda x: ref.cross_entropy(x, labels, label_smoothing=0.1, z_loss=1e-3), logits)
     saved_ad = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp_ad) if hasattr(x, "dtype"))
     assert saved < saved_ad

@@ -127,8 +127,11 @@ GN_CASES = [
     ((2, 5, 7, 24), 4, "silu"),
     ((2, 3, 4, 5, 8), 2, "silu"),  # 3-D spatial
     ((3, 11, 12), 3, None),  # 1-D spatial
-    ((2, 1100, 8), 2, "silu"),  # several spatial chunks per (n, group)
+    ((2, 1100, 8), 2, "silu"),  # several spatial chunks per sample, the last one partial
     ((2, 6, 5), 1, None),  # one group: LayerNorm over (spatial, C)
+    # Batch 1, whole-channel [8, 512] tiles: 269 spatial chunks of two tiles each, the last
+    # chunk's second tile 4 rows deep.
+    ((1, 4300, 512), 32, "silu"),
 ]
 
 
@@ -151,7 +154,7 @@ def test_group_norm_matches_autodiff(case, impl):
     _check_vjp(
         lambda x, w, b: group_norm(x, w, b, num_groups=G, activation=act, implementation=impl),
         lambda x, w, b: reference.group_norm(x, w, b, num_groups=G, activation=act), (x, w, b),
-        kernels=("group_norm_bwd",) if impl == "pallas" else (),
+        kernels=("group_norm_bwd_sums", "group_norm_bwd") if impl == "pallas" else (),
     )
 
 
@@ -204,8 +207,9 @@ def test_upsample2d_bad_inputs():
 
 # -------------------------------------------------------------- pixel_shuffle, unpatchify
 @pytest.mark.parametrize("impl", IMPLS)
-def test_pixel_shuffle_element_order(impl):
-    r, N, H, W, Cc = 3, 2, 2, 3, 2
+@pytest.mark.parametrize("r,N,H,W,Cc", [(3, 2, 2, 3, 2), (2, 2, 3, 5, 3), (2, 1, 1, 2, 1100)],
+                         ids=["r3-gather", "r2-interleave", "r2-two-channel-blocks"])
+def test_pixel_shuffle_element_order(impl, r, N, H, W, Cc):
     x = _normal(0, (N, H, W, Cc * r * r))
     y = np.asarray(pixel_shuffle(x, r, implementation=impl))
     xn = np.asarray(x)
@@ -264,9 +268,9 @@ LOWERING = [
     ("conv-depthwise", lambda x, w: conv2d(x, w, padding=3, groups=320, implementation="pallas"),
      (_sds((8, 64, 64, 320)), _sds((7, 7, 1, 320))), ("conv2d_dgrad", "conv2d_wgrad")),
     ("group_norm-silu", lambda x, w, b: group_norm(x, w, b, num_groups=32, activation="silu", implementation="pallas"),
-     (_sds((8, 64, 64, 320)), _sds((320,)), _sds((320,))), ("group_norm_bwd",)),
+     (_sds((8, 64, 64, 320)), _sds((320,)), _sds((320,))), ("group_norm_bwd_sums", "group_norm_bwd")),
     ("group_norm-128x128x256", lambda x, w, b: group_norm(x, w, b, num_groups=32, implementation="pallas"),
-     (_sds((2, 128, 128, 256), jnp.float32), _sds((256,), jnp.float32), _sds((256,), jnp.float32)), ("group_norm_bwd",)),
+     (_sds((2, 128, 128, 256), jnp.float32), _sds((256,), jnp.float32), _sds((256,), jnp.float32)), ("group_norm_bwd_sums", "group_norm_bwd")),
     ("upsample-nearest", lambda x: upsample2d(x, 2, implementation="pallas"), (_sds((8, 32, 32, 640)),), ("upsample2d_bwd",)),
     ("upsample-bilinear", lambda x: upsample2d(x, 2, method="bilinear", implementation="pallas"),
      (_sds((8, 32, 32, 640)),), ("upsample2d_bwd",)),

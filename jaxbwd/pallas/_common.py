@@ -237,10 +237,15 @@ def call(
     flops: int = 0,
     transcendentals: int = 0,
     bytes_accessed: int = 0,
+    input_output_aliases: dict[int, int] | None = None,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
     mask their own tiles), a name, a cost estimate and Triton compiler parameters; inside
-    a vma-checked shard_map the outputs declare the manual axes they vary over."""
+    a vma-checked shard_map the outputs declare the manual axes they vary over.
+
+    ``input_output_aliases`` ({input index: output index}): the output is written in the
+    input's buffer (XLA copies the input first where it is still needed elsewhere), so a
+    kernel may leave parts of it untouched."""
     _check_can_run(name, interpret)
 
     def launch(*args):
@@ -258,6 +263,7 @@ def call(
             grid=tuple(int(g) for g in grid),
             interpret=interpret,
             name=name,
+            input_output_aliases=dict(input_output_aliases or {}),
             compiler_params=plgpu.CompilerParams(num_warps=int(num_warps), num_stages=num_stages),
             cost_estimate=pl.CostEstimate(
                 flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)

@@ -1,21 +1,24 @@
-"""Backward kernel of group_norm (with optional fused SiLU).
+"""Backward kernels of group_norm (with optional fused SiLU).
 
-Grid: one program per (sample n, group g). The program's data is the [S, Cg] slab of
-x viewed as [N*S, C] (rows n*S .. n*S+S-1, columns g*Cg .. g*Cg+Cg-1), walked in chunks
-of ``block_s`` spatial rows so that any image size fits (64x64x512 is 4096 rows of a
-16-column group). Two passes over the chunks (the second mostly hits L2):
+x is viewed as [N, S, C] (spatial dims flattened). Both kernels run one program per
+(sample n, spatial chunk k): ``rows_per_program`` pixel rows of all C channels, walked in
+[block_s, C] tiles, so every load is a coalesced run of whole pixel rows and the grid has
+about four programs per SM whatever the batch (N * G programs, the earlier layout, is 32 at
+batch 1):
 
-    pass 1:  sum(w*dz) and sum(w*dz * x_hat) over the slab (f32 scalars)
-    pass 2:  dx = rstd * (w*dz - mean(w*dz) - x_hat * mean(w*dz * x_hat))
-             dweight partial += sum_s(dz * x_hat),  dbias partial += sum_s(dz)
+    group_norm_bwd_sums:  per (n, k, channel) f32 partials  sum_s(dz)  and  sum_s(dz * x_hat)
+    (XLA, [N, K, C]):     dbias = sum(dz), dweight = sum(dz * x_hat) over n, k;
+                          per (n, group)  c1 = mean(w * dz),  c2 = mean(w * dz * x_hat)
+    group_norm_bwd:       dx = rstd * (w * dz - c1 - x_hat * c2)
 
-where x_hat is recomputed from x and the saved f32 (mean, rstd) and, with the fused SiLU,
+where x_hat is recomputed from x and the saved f32 (mean, rstd), and, with the fused SiLU,
 ``dz = dy * sig(z) * (1 + z * (1 - sig(z)))`` with ``z = x_hat * w + b`` recomputed (the
-sigmoid is never saved). Wu & He, "Group Normalization" (2018); the dx formula is the
-layer-norm backward taken over the group's S*Cg elements.
-
-Each program writes its columns of row n of f32 [N, C] partial buffers for dweight and
-dbias; XLA sums them over n afterwards: fixed order, no atomics, bitwise reproducible.
+sigmoid is never saved; ``exp`` as ``exp2``). Wu & He, "Group Normalization" (2018); the dx
+formula is the layer-norm backward taken over the group's S * Cg elements, with
+``sum(w * dz) = w * sum(dz)`` per channel so that two partials serve dweight, dbias and the
+group sums. The partials are reduced by XLA in a fixed order: no atomics, bitwise
+reproducible. x and dy are read twice (once per kernel): 5/3 of the minimum bytes, as a
+two-pass reduction over a tensor larger than the L2 must be.
 """
 from __future__ import annotations
 
@@ -27,58 +30,85 @@ from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
 
-# Elements per chunk tile: 4096 f32 values keep x, dy and the recomputed terms in registers.
+# Elements per [block_s, C] tile: 4096 f32 values keep x, dy and the recomputed terms in
+# registers; half as many with the fused SiLU, whose extra terms would otherwise leave room
+# for one block per SM (132-136 registers at 4096, compiled for sm_90/sm_80).
 GROUP_TILE = 4096
+GROUP_TILE_SILU = 2048
+# Programs per SM the spatial chunking aims for.
+PROGRAMS_PER_SM = 4
 
 
-def _group_norm_bwd_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref, *,
-                           S: int, Cg: int, G: int, block_s: int, block_c: int, silu: bool):
-    pid = pl.program_id(0)
-    # (G == 1 spelled out: Triton's lowering rejects an integer remainder by the literal 1.)
-    n, g = (pid, 0) if G == 1 else (pid // G, pid % G)
-    cj = jnp.arange(block_c)
-    cmask = cj < Cg
-    cols = g * Cg + cj
+def _chunk(x_ref, dy_ref, w, b, mean, rstd, n, k, i, *, S, rows_per_program, block_s, cols, cmask, silu):
+    """Tile i of program (n, k): its rows of [N*S, C], mask, x_hat and dz (f32)."""
+    s = k * rows_per_program + i * block_s + jnp.arange(block_s)
+    mask = (s[:, None] < jnp.minimum((k + 1) * rows_per_program, S)) & cmask[None, :]
+    rows = n * S + s
+    x = C.load_tile(x_ref, rows, cols, mask)
+    dy = C.load_tile(dy_ref, rows, cols, mask)
+    xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
+    if silu:
+        z = xhat * w + b
+        sig = 1.0 / (1.0 + C.exp(-z))
+        dy = dy * sig * (1.0 + z * (1.0 - sig))
+    return rows, mask, xhat, dy
+
+
+def _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu):
     w = C.load(w_ref, cols, cmask)[None, :]
     b = C.load(b_ref, cols, cmask)[None, :] if silu else None
-    # The group's statistics, repeated per column by the wrapper ([N, C] f32): a vector load.
+    # The group's statistics, repeated per channel by the wrapper ([N, C] f32): a vector load.
     mean = C.load(mean_ref, (n, cols), cmask)[None, :]
     rstd = C.load(rstd_ref, (n, cols), cmask)[None, :]
-    n_chunks = C.cdiv(S, block_s)
-    inv_m = 1.0 / (S * Cg)
+    return w, b, mean, rstd
 
-    def load_chunk(k):
-        s = k * block_s + jnp.arange(block_s)
-        mask = (s[:, None] < S) & cmask[None, :]
-        rows = n * S + s
-        x = C.load_tile(x_ref, rows, cols, mask)
-        dy = C.load_tile(dy_ref, rows, cols, mask)
-        xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
-        if silu:
-            z = xhat * w + b
-            sig = C.sigmoid(z)
-            dy = dy * sig * (1.0 + z * (1.0 - sig))
-        return rows, mask, xhat, dy
 
-    def sums_body(k, acc):
-        _, _, xhat, dz = load_chunk(k)
-        wdz = w * dz
-        return acc[0] + jnp.sum(wdz, axis=0), acc[1] + jnp.sum(wdz * xhat, axis=0)
+def _sums_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, sdz_ref, sdzx_ref, *, S, Cc, K, rows_per_program,
+                 block_s, block_c, silu):
+    n, k = pl.program_id(0), pl.program_id(1)
+    cols = jnp.arange(block_c)
+    cmask = cols < Cc
+    w, b, mean, rstd = _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu)
+    chunk = functools.partial(_chunk, x_ref, dy_ref, w, b, mean, rstd, n, k, S=S, rows_per_program=rows_per_program,
+                              block_s=block_s, cols=cols, cmask=cmask, silu=silu)
+
+    def body(i, acc):
+        _, _, xhat, dz = chunk(i)
+        return acc[0] + jnp.sum(dz, axis=0), acc[1] + jnp.sum(dz * xhat, axis=0)
 
     zeros = jnp.zeros((block_c,), jnp.float32)
-    s1, s2 = jax.lax.fori_loop(0, n_chunks, sums_body, (zeros, zeros))
-    c1 = jnp.sum(s1) * inv_m
-    c2 = jnp.sum(s2) * inv_m
+    sdz, sdzx = jax.lax.fori_loop(0, rows_per_program // block_s, body, (zeros, zeros))
+    C.store(sdz_ref, (n * K + k, cols), sdz, cmask)
+    C.store(sdzx_ref, (n * K + k, cols), sdzx, cmask)
 
-    def write_body(k, acc):
-        rows, mask, xhat, dz = load_chunk(k)
-        dx = (w * dz - c1 - xhat * c2) * rstd
-        C.store_tile(dx_ref, rows, cols, dx, mask)
-        return acc[0] + jnp.sum(dz * xhat, axis=0), acc[1] + jnp.sum(dz, axis=0)
 
-    dw, db = jax.lax.fori_loop(0, n_chunks, write_body, (zeros, zeros))
-    C.store(dw_ref, (n, cols), dw, cmask)
-    C.store(db_ref, (n, cols), db, cmask)
+def _dx_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref, dx_ref, *, S, Cc, rows_per_program,
+               block_s, block_c, silu):
+    n, k = pl.program_id(0), pl.program_id(1)
+    cols = jnp.arange(block_c)
+    cmask = cols < Cc
+    w, b, mean, rstd = _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu)
+    c1 = C.load(c1_ref, (n, cols), cmask)[None, :]
+    c2 = C.load(c2_ref, (n, cols), cmask)[None, :]
+    chunk = functools.partial(_chunk, x_ref, dy_ref, w, b, mean, rstd, n, k, S=S, rows_per_program=rows_per_program,
+                              block_s=block_s, cols=cols, cmask=cmask, silu=silu)
+
+    def body(i, carry):
+        rows, mask, xhat, dz = chunk(i)
+        C.store_tile(dx_ref, rows, cols, (w * dz - c1 - xhat * c2) * rstd, mask)
+        return carry
+
+    jax.lax.fori_loop(0, rows_per_program // block_s, body, 0)
+
+
+def _layout(N: int, S: int, Cc: int, silu: bool):
+    """(block_c, block_s, rows_per_program, K): [block_s, C] tiles, K spatial chunks per sample."""
+    block_c = C.next_pow2(Cc)
+    block_s = max(1, min(C.next_pow2(S), (GROUP_TILE_SILU if silu else GROUP_TILE) // block_c))
+    tiles = C.cdiv(S, block_s)
+    K = max(1, min(tiles, C.cdiv(PROGRAMS_PER_SM * C.GPU_NUM_CORES, N)))
+    rows_per_program = C.cdiv(tiles, K) * block_s
+    return block_c, block_s, rows_per_program, C.cdiv(S, rows_per_program)
 
 
 def group_norm_bwd(x, w, b, dy, mean, rstd, *, num_groups: int, silu: bool, interpret: bool = False):
@@ -94,22 +124,30 @@ def group_norm_bwd(x, w, b, dy, mean, rstd, *, num_groups: int, silu: bool, inte
     N, S, Cc = x.shape
     G = num_groups
     Cg = Cc // G
-    block_c = C.next_pow2(Cg)
-    block_s = max(1, min(C.next_pow2(S), GROUP_TILE // block_c))
-    # Per-column copies of the [N, G] statistics (N*C*8 bytes): one vector load per program.
+    C.check_index_range("group_norm", rows=N * S, cols=Cc)
+    block_c, block_s, rows_per_program, K = _layout(N, S, Cc, silu)
+    # Per-channel copies of the [N, G] statistics (N*C*8 bytes): one vector load per program.
     mean_c = jnp.repeat(mean.astype(jnp.float32), Cg, axis=1)
     rstd_c = jnp.repeat(rstd.astype(jnp.float32), Cg, axis=1)
     x2, dy2 = x.reshape(N * S, Cc), dy.reshape(N * S, Cc)
-    part = jax.ShapeDtypeStruct((N, Cc), jnp.float32)
-    kernel = functools.partial(
-        _group_norm_bwd_kernel, S=S, Cg=Cg, G=G, block_s=block_s, block_c=block_c, silu=silu
-    )
-    tile = block_s * block_c
-    dx, dw, db = C.call(
-        kernel, name="group_norm_bwd", grid=(N * G,),
-        out_shape=[jax.ShapeDtypeStruct((N * S, Cc), x.dtype), part, part], interpret=interpret,
-        num_warps=max(1, min(8, tile // 512)), flops=(24 if silu else 14) * N * S * Cc,
-        transcendentals=(2 * N * S * Cc) if silu else 0,
-        bytes_accessed=2 * C.nbytes(x2, dy2) + C.nbytes(x2) + 8 * N * Cc * 2,
+    static = dict(S=S, Cc=Cc, rows_per_program=rows_per_program, block_s=block_s, block_c=block_c, silu=silu)
+    warps = max(1, min(8, block_s * block_c // 512))
+    part = jax.ShapeDtypeStruct((N * K, Cc), jnp.float32)
+    sdz, sdzx = C.call(
+        functools.partial(_sums_kernel, K=K, **static), name="group_norm_bwd_sums", grid=(N, K),
+        out_shape=(part, part), interpret=interpret, num_warps=warps,
+        flops=(20 if silu else 8) * N * S * Cc, transcendentals=(N * S * Cc) if silu else 0,
+        bytes_accessed=C.nbytes(x2, dy2) + 8 * N * Cc * (K + 1),
     )(x2, w, b, dy2, mean_c, rstd_c)
-    return dx.reshape(x.shape), dw.sum(axis=0), db.sum(axis=0)
+    sdz, sdzx = sdz.reshape(N, K, Cc).sum(axis=1), sdzx.reshape(N, K, Cc).sum(axis=1)
+    wf = w.astype(jnp.float32)
+    inv_m = 1.0 / (S * Cg)
+    c1 = ((wf * sdz).reshape(N, G, Cg).sum(-1) * inv_m)
+    c2 = ((wf * sdzx).reshape(N, G, Cg).sum(-1) * inv_m)
+    dx = C.call(
+        functools.partial(_dx_kernel, **static), name="group_norm_bwd", grid=(N, K),
+        out_shape=jax.ShapeDtypeStruct((N * S, Cc), x.dtype), interpret=interpret, num_warps=warps,
+        flops=(24 if silu else 12) * N * S * Cc, transcendentals=(N * S * Cc) if silu else 0,
+        bytes_accessed=C.nbytes(x2, dy2) + C.nbytes(x2) + 16 * N * Cc,
+    )(x2, w, b, dy2, mean_c, rstd_c, jnp.repeat(c1, Cg, axis=1), jnp.repeat(c2, Cg, axis=1))
+    return dx.reshape(x.shape), sdzx.sum(axis=0), sdz.sum(axis=0)

@@ -1,21 +1,24 @@
 """Backward kernel of rope: rotate dy by the negative angle.
 
-The input is viewed as rows of one head, [B*T*N, H]; row r has position
-``pos[r // N]``. Program i takes ``block_rows`` rows and the H/2 rotation pairs of each
-(pair k joins columns (k, k + H/2) in the half-split Llama/NeoX convention, (2k, 2k + 1)
-in the interleaved GPT-J one), computes the angle ``pos * theta**(-2k/H)`` in f32 in
-registers (no cos/sin tables are read or saved; rescaled frequencies such as Llama 3.1's
-are read as one [H/2] f32 vector, and positions may be float) and writes
+The input is viewed as one row per position, [B*T, N*H] (all heads of a position side by
+side). Program i takes ``block_pos`` positions, computes the angles
+``pos * inv_freq[k]`` of their H/2 rotation pairs and their cos/sin once in f32 registers
+(no cos/sin tables are read or saved; ``inv_freq`` is one [H/2] f32 vector, the forward's
+own, so Llama 3.1's rescaled frequencies and float positions come for free), then walks
+the N heads reusing them, and writes
 
     dx_a =  dy_a cos + dy_b sin
     dx_b = -dy_a sin + dy_b cos
 
-the transpose of the forward rotation (RoFormer, Su et al. 2021).
+the transpose of the forward rotation (RoFormer, Su et al. 2021). Pair k joins columns
+(k, k + H/2) of a head in the half-split Llama/NeoX convention: two contiguous tiles. In the
+interleaved GPT-J convention it joins (2k, 2k + 1): the head is loaded as one contiguous
+[block_pos, H] tile and split into its even and odd columns in registers (and joined back
+before the store), so loads and stores stay vectorised.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,54 +26,65 @@ from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
 
+# Elements of one head's tile: with cos and sin of the same size live across the head loop,
+# 2048 f32 values over 4 warps stay well inside the register file.
+HEAD_TILE = 2048
 
-def _rope_bwd_kernel(*refs, t: C.RowTiling, heads: int, head_dim: int, log_theta: float, interleaved: bool,
-                     table: bool):
-    dy_ref, pos_ref, dx_ref = refs[0], refs[1], refs[-1]
-    rb = pl.program_id(0)
-    rows = rb * t.block_rows + jnp.arange(t.block_rows)
-    k = jnp.arange(t.block_cols)  # pair index
-    rmask = rows < t.n_rows
-    mask = rmask[:, None] & (k < t.n_cols)[None, :]
-    half = head_dim // 2
-    if interleaved:
-        ca, cb = 2 * k, 2 * k + 1
-    else:
-        ca, cb = k, k + half
-    pos = C.load(pos_ref, rows // heads, rmask, other=0, dtype=jnp.float32)
-    if table:
-        inv_freq = C.load(refs[2], k, k < t.n_cols, other=0.0)
-    else:
-        inv_freq = jnp.exp(k.astype(jnp.float32) * (-2.0 * log_theta / head_dim))
-    ang = pos[:, None] * inv_freq[None, :]
+
+def _rope_bwd_kernel(dy_ref, pos_ref, freq_ref, dx_ref, *, n_pos: int, heads: int, head_dim: int,
+                     block_pos: int, block_half: int, interleaved: bool):
+    p = pl.program_id(0) * block_pos + jnp.arange(block_pos)
+    k = jnp.arange(block_half)  # pair index
+    pmask = p < n_pos
+    kmask = k < head_dim // 2
+    mask = pmask[:, None] & kmask[None, :]
+    pos = C.load(pos_ref, p, pmask, other=0, dtype=jnp.float32)
+    ang = pos[:, None] * C.load(freq_ref, k, kmask)[None, :]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
-    a = C.load_tile(dy_ref, rows, ca, mask)
-    b = C.load_tile(dy_ref, rows, cb, mask)
-    C.store_tile(dx_ref, rows, ca, a * cos + b * sin, mask)
-    C.store_tile(dx_ref, rows, cb, b * cos - a * sin, mask)
+
+    if interleaved:
+        c = jnp.arange(2 * block_half)
+        full = pmask[:, None] & (c < head_dim)[None, :]
+
+        def head(n, carry):
+            cols = n * head_dim + c
+            a, b = jnp.unstack(C.load_tile(dy_ref, p, cols, full).reshape(block_pos, block_half, 2), axis=-1)
+            dx = jnp.stack([a * cos + b * sin, b * cos - a * sin], axis=-1).reshape(block_pos, 2 * block_half)
+            C.store_tile(dx_ref, p, cols, dx, full)
+            return carry
+    else:
+        def head(n, carry):
+            ca = n * head_dim + k
+            cb = ca + head_dim // 2
+            a = C.load_tile(dy_ref, p, ca, mask)
+            b = C.load_tile(dy_ref, p, cb, mask)
+            C.store_tile(dx_ref, p, ca, a * cos + b * sin, mask)
+            C.store_tile(dx_ref, p, cb, b * cos - a * sin, mask)
+            return carry
+
+    jax.lax.fori_loop(0, heads, head, 0)
 
 
-def rope_bwd(dy, pos, *, theta: float, interleaved: bool, inv_freq=None, interpret: bool = False):
+def rope_bwd(dy, pos, inv_freq, *, interleaved: bool, interpret: bool = False):
     """dx [B, T, N, H] in dy's dtype: dy rotated by minus the angle of each (position, pair).
 
     Args:
       dy: [B, T, N, H], H even. pos: [B, T] int32 or float32 positions.
-      inv_freq: ``None`` (``theta**(-2k/H)``, computed in registers) or [H/2] float32
-        frequencies (then ``theta`` is unused).
+      inv_freq: [H/2] float32 rotary frequencies (the forward's).
     """
     Bsz, T, N, H = dy.shape
-    R = Bsz * T * N
-    dy2 = dy.reshape(R, H)
-    t = C.row_tiling(R, H // 2, max_tile=4096)
-    kernel = functools.partial(
-        _rope_bwd_kernel, t=t, heads=N, head_dim=H, log_theta=math.log(theta), interleaved=bool(interleaved),
-        table=inv_freq is not None,
-    )
-    extra = () if inv_freq is None else (inv_freq.astype(jnp.float32),)
+    P = Bsz * T
+    block_half = C.next_pow2(H // 2)
+    block_pos = max(1, min(HEAD_TILE // (2 * block_half), C.next_pow2(P)))
+    # Enough programs to fill the GPU twice over when positions are few.
+    while block_pos > 1 and C.cdiv(P, block_pos) < 2 * C.GPU_NUM_CORES:
+        block_pos //= 2
+    kernel = functools.partial(_rope_bwd_kernel, n_pos=P, heads=N, head_dim=H, block_pos=block_pos,
+                               block_half=block_half, interleaved=bool(interleaved))
     dx = C.call(
-        kernel, name="rope_bwd", grid=(t.num_row_blocks,),
-        out_shape=jax.ShapeDtypeStruct((R, H), dy.dtype), interpret=interpret,
-        num_warps=t.num_warps, flops=6 * R * H, transcendentals=R * H,
-        bytes_accessed=2 * C.nbytes(dy) + C.nbytes(pos),
-    )(dy2, pos.reshape(-1), *extra)
+        kernel, name="rope_bwd", grid=(C.cdiv(P, block_pos),),
+        out_shape=jax.ShapeDtypeStruct((P, N * H), dy.dtype), interpret=interpret,
+        num_warps=max(1, min(4, block_pos * block_half // 256)), flops=6 * P * N * H, transcendentals=P * H,
+        bytes_accessed=2 * C.nbytes(dy) + C.nbytes(pos, inv_freq),
+    )(dy.reshape(P, N * H), pos.reshape(-1), inv_freq.astype(jnp.float32))
     return dx.reshape(dy.shape)

@@ -6,8 +6,12 @@ every dx element is written exactly once, by one program, in a fixed order: no a
 bitwise reproducible.
 
 - pixel_shuffle / unpatchify: the backward is the inverse permutation (pixel_unshuffle,
-  patchify): one read and one write per element. The gather's (pixel, channel) source is
-  computed from the tile's (row, column) indices; no flat index, so nothing wraps at 2**31.
+  patchify): one read and one write per element. pixel_shuffle with r = 2 loads the four
+  source pixels' channel runs (contiguous) and interleaves them in registers; other r
+  gather each element's (pixel, channel) source computed from the tile's (row, column)
+  indices. unpatchify copies the contiguous runs of p*C values that a patch row is in both
+  layouts. No flat index, so
+  nothing wraps at 2**31.
 - upsample2d: each dx pixel sums the (sh x sw) dy block it was copied to (nearest), or the
   dy pixels whose bilinear stencil touches it, weighted by the interpolation weights
   recomputed from the half-pixel-centre formula (bilinear). The taps are a static loop.
@@ -53,13 +57,45 @@ def _gather(src, out_rows: int, out_cols: int, index, *, name: str, interpret: b
     )(src.reshape(pixels, src.shape[-1]))
 
 
+def _unshuffle2_kernel(dy_ref, out_ref, *, n_pix: int, H: int, W: int, Cc: int, block_rows: int, block_c: int):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    c = pl.program_id(1) * block_c + jnp.arange(block_c)
+    rmask = rows < n_pix
+    n, h, w = C.idiv(rows, H * W), C.imod(C.idiv(rows, W), H), C.imod(rows, W)
+    mask = rmask[:, None] & (c < Cc)[None, :]
+
+    def tap(i, j):  # dy pixel (n, 2h + i, 2w + j): one contiguous run of C channels
+        src = jnp.where(rmask, ((n * H + h) * 2 + i) * (2 * W) + w * 2 + j, 0)
+        return C.load(dy_ref, (src[:, None], c[None, :]), mask)
+
+    # dx channel 4c + 2i + j: the four taps interleaved in registers (two pairwise joins:
+    # i inner, j outer, so that j varies fastest).
+    v = jnp.stack([jnp.stack([tap(0, 0), tap(1, 0)], axis=-1), jnp.stack([tap(0, 1), tap(1, 1)], axis=-1)], axis=-1)
+    k = pl.program_id(1) * 4 * block_c + jnp.arange(4 * block_c)
+    C.store_tile(out_ref, rows, k, v.reshape(block_rows, 4 * block_c), rmask[:, None] & (k < 4 * Cc)[None, :])
+
+
 def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
     """pixel_unshuffle of dy [N, H*r, W*r, C] -> dx [N, H, W, C*r*r].
 
-    ``dx[n, h, w, c*r*r + i*r + j] = dy[n, h*r+i, w*r+j, c]``.
+    ``dx[n, h, w, c*r*r + i*r + j] = dy[n, h*r+i, w*r+j, c]``. For r = 2 each dx row is four
+    contiguous dy channel runs interleaved in registers (contiguous loads and stores); other r
+    gather element by element.
     """
     N, Hr, Wr, Cc = dy.shape
     H, W = Hr // r, Wr // r
+    if r == 2:
+        C.check_index_range("pixel_shuffle", pixels=N * Hr * Wr, rows=N * H * W, cols=Cc * 4)
+        block_c = min(C.next_pow2(Cc), PERMUTE_TILE // 4)
+        block_rows = max(1, min(C.next_pow2(N * H * W), PERMUTE_TILE // (4 * block_c)))
+        kernel = functools.partial(_unshuffle2_kernel, n_pix=N * H * W, H=H, W=W, Cc=Cc, block_rows=block_rows,
+                                   block_c=block_c)
+        dx = C.call(
+            kernel, name="pixel_shuffle_bwd", grid=(C.cdiv(N * H * W, block_rows), C.cdiv(Cc, block_c)),
+            out_shape=jax.ShapeDtypeStruct((N * H * W, Cc * 4), dy.dtype), interpret=interpret,
+            num_warps=max(1, min(8, block_rows * block_c * 4 // 512)), bytes_accessed=2 * C.nbytes(dy),
+        )(dy.reshape(N * Hr * Wr, Cc))
+        return dx.reshape(N, H, W, Cc * 4)
 
     def index(p, k):
         n, h, w = C.idiv(p, H * W), C.imod(C.idiv(p, W), H), C.imod(p, W)
@@ -70,22 +106,40 @@ def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
     return dx.reshape(N, H, W, Cc * r * r)
 
 
+def _patchify_kernel(dy_ref, out_ref, *, n_tok: int, T: int, gw: int, p: int, seg: int, block_rows: int,
+                     block_seg: int, Ho: int):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+    k = jnp.arange(block_seg)
+    mask = (rows < n_tok)[:, None] & (k < seg)[None, :]
+    n, tok = C.idiv(rows, T), C.imod(rows, T)
+    gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
+    for i in range(p):  # patch row i: p pixels x C channels, contiguous in dy and in the token
+        src = jnp.where(rows < n_tok, n * Ho + gi * p + i, 0)
+        v = C.load(dy_ref, (src[:, None], gj[:, None] * seg + k[None, :]), mask)
+        C.store_tile(out_ref, rows, i * seg + k, v, mask)
+
+
 def unpatchify_bwd(dy, gh: int, gw: int, p: int, *, interpret: bool = False):
     """patchify of dy [N, gh*p, gw*p, C] -> dtokens [N, gh*gw, p*p*C].
 
-    ``dtokens[n, gi*gw+gj, (i*p+j)*C + c] = dy[n, gi*p+i, gj*p+j, c]``.
+    ``dtokens[n, gi*gw+gj, (i*p+j)*C + c] = dy[n, gi*p+i, gj*p+j, c]``: for each patch row i
+    the p*C values ``(j, c)`` are one contiguous run in dy (image row ``gi*p+i``, viewed as
+    [N*H, W*C]) and in the token, so the kernel copies [block_rows, p*C] tiles of runs:
+    contiguous, vectorisable loads and stores, no per-element index arithmetic.
     """
     N, Ho, Wo, Cc = dy.shape
-    T = gh * gw
-
-    def index(row, k):
-        n, tok = C.idiv(row, T), C.imod(row, T)
-        gi, gj = C.idiv(tok, gw), C.imod(tok, gw)
-        i, j, c = C.idiv(k, p * Cc), C.imod(C.idiv(k, Cc), p), C.imod(k, Cc)
-        return (n * Ho + gi * p + i) * Wo + gj * p + j, c
-
-    dt = _gather(dy, N * T, p * p * Cc, index, name="unpatchify_bwd", interpret=interpret)
-    return dt.reshape(N, T, p * p * Cc)
+    T, seg = gh * gw, p * Cc
+    C.check_index_range("unpatchify", rows=N * Ho, cols=Wo * Cc, tokens=N * T)
+    block_seg = C.next_pow2(seg)
+    block_rows = max(1, min(C.next_pow2(N * T), PERMUTE_TILE // block_seg))
+    kernel = functools.partial(_patchify_kernel, n_tok=N * T, T=T, gw=gw, p=p, seg=seg, block_rows=block_rows,
+                               block_seg=block_seg, Ho=Ho)
+    dt = C.call(
+        kernel, name="unpatchify_bwd", grid=(C.cdiv(N * T, block_rows),),
+        out_shape=jax.ShapeDtypeStruct((N * T, p * seg), dy.dtype), interpret=interpret,
+        num_warps=max(1, min(8, block_rows * block_seg // 512)), bytes_accessed=2 * C.nbytes(dy),
+    )(dy.reshape(N * Ho, Wo * Cc))
+    return dt.reshape(N, T, p * seg)
 
 
 # ------------------------------------------------------------------------ upsample2d

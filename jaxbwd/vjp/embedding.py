@@ -3,8 +3,10 @@
 Forward (XLA gather): ``table[ids]``, zero rows for out-of-range ids. Saved for the
 backward: the ids only (the table is not needed). Backward: ids are mapped to a sort key
 (out-of-range and ``padding_idx`` ids become the sentinel V, i.e. dropped), stably sorted
-by XLA, and the Pallas ``embed_bwd`` kernel sums each row's segment of dy in f32; or, on
-the XLA path, ``segment_sum`` over the same keys.
+by XLA and cut into chunks of one id; the Pallas ``embed_bwd`` kernel sums each chunk of dy
+in f32 (programs only for the ids present, the rest of the gradient zero-filled by XLA) and
+``embed_bwd_hot`` adds the chunks of ids with many tokens in a fixed order; or, on the XLA
+path, ``segment_sum`` over the same keys.
 """
 from __future__ import annotations
 
@@ -61,13 +63,9 @@ def _embed_bwd(padding_idx, impl, axes, res, dy):
     off = _shard_offset(V, axes)  # ids of other shards fall out of range: dropped
     key = _keys(ids - off, V, None if padding_idx is None else padding_idx - off)
     dy2 = dy.reshape(-1, D)
-    if impl.pallas:
-        order = jnp.argsort(key, stable=True).astype(jnp.int32)
-        sorted_key = key[order]
-        vocab = jnp.arange(V, dtype=jnp.int32)
-        start = jnp.searchsorted(sorted_key, vocab, side="left").astype(jnp.int32)
-        end = jnp.searchsorted(sorted_key, vocab, side="right").astype(jnp.int32)
-        dtable = kernels.embed_bwd(order, start, end, dy2, num_rows=V, dtype=proto.dtype, interpret=impl.interpret)
+    if impl.pallas and dy2.shape[0]:
+        work = kernels.plan(key, V)
+        dtable = kernels.embed_bwd(work, dy2, num_rows=V, dtype=proto.dtype, interpret=impl.interpret)
     else:
         acc = B.acc_dtype(dy2)
         dtable = jax.ops.segment_sum(dy2.astype(acc), key, num_segments=V + 1)[:V].astype(proto.dtype)
@@ -102,8 +100,9 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     the ids it holds, one psum of the [..., D] rows; the table is never gathered).
 
     Backward: dtable[v] = sum of dy over the tokens with id v, accumulated in float32 and
-    returned in table's dtype. Deterministic: ids are stably sorted and each row's segment
-    is summed by one program in a fixed order (no atomics).
+    returned in table's dtype. Deterministic: ids are stably sorted, each id's tokens are
+    summed in chunks of 64 in a fixed order and the chunks are added in a fixed order (no
+    atomics).
 
     Raises:
       TypeError: ids not integer, table not floating, padding_idx not an int.

@@ -1,19 +1,27 @@
-"""cross_entropy: softmax cross-entropy over integer labels; O(rows) residuals (row max and sum).
+"""cross_entropy: softmax cross-entropy over integer labels, the gradient written in the forward.
 
-Forward: the Pallas ``cross_entropy_fwd`` kernel (one pass over vocab tiles, online
-logsumexp) or the same math in XLA; it yields per-row f32 partials (the row max and
-shifted sum of exponentials, the label's logit, the logit mean) from which the loss is
-formed. Saved for the backward: logits (already live in the caller), labels and the row max ``m`` and ``s = sum(exp(x - m))``
-[rows] float32, never a [rows, V] softmax. Backward: the Pallas ``cross_entropy_bwd``
-kernel or the same formula in XLA, the softmax recomputed as ``exp(x - m) / s``, which
-keeps f32 precision at any logit offset (``exp(x - lse)`` does not: see
-:mod:`jaxbwd.pallas.losses`).
+Forward of a differentiated call: the Pallas ``cross_entropy_fwd`` kernel (or the same math
+in XLA) reads the logits once for the row max ``m`` and ``s = sum(exp(x - m))``, the label's
+logit and the logit mean (the loss is formed from these [rows] partials) and, while the row
+block is on chip, writes ``d``, the gradient of the reduced loss for a unit cotangent
+(each row's ``dloss/dlogits`` times its weight in the reduction). ``d`` is the only residual:
+the logits are not kept. Backward: ``dlogits = g * d`` with ``g`` the per-row upstream
+cotangent, the Pallas ``cross_entropy_bwd`` kernel in place over ``d``, skipping row blocks
+whose ``g`` is 1 (``jax.grad`` of the mean or summed loss), or the same product in XLA.
+A loss that is not differentiated runs ``cross_entropy_stats`` (partials only).
+
+Bytes per token at V = 128256 bf16: 513 KB forward + backward when the cotangent is 1
+(one read of the logits, one write of ``d``), 1026 KB otherwise; recomputing the softmax in
+the backward instead would be 770 KB at any cotangent (see :mod:`jaxbwd.pallas.losses`).
+
+The softmax is ``exp(x - m) / s`` from the row max and sum, which keeps f32 precision at
+any logit offset (``exp(x - lse)`` does not: see :mod:`jaxbwd.pallas.losses`).
 
 Vocab-parallel: under an explicit-sharding mesh with the class axis sharded (the logits
 of a vocabulary-sharded output projection), each device runs the kernels on its
 vocabulary shard and the [rows] partials are combined with one ``pmax`` and two
-``psum`` (three with label smoothing; the Megatron-LM scheme, Shoeybi et al. 2019); the
-logits are never gathered.
+``psum`` (three with label smoothing; the Megatron-LM scheme, Shoeybi et al. 2019) before
+``cross_entropy_grad`` writes the shard's ``d``; the logits are never gathered.
 """
 from __future__ import annotations
 
@@ -46,6 +54,22 @@ def _shard_labels(lab, V_local, axes):
     return jnp.where((lab >= 0) & (local >= 0) & (local < V_local), local, -1)
 
 
+def _grad_dtype(dtype):
+    """dtype of the saved gradient ``d``: the logits' own, except float32 for float16, whose
+    range would flush small ``softmax / rows`` values before a loss-scaling cotangent
+    brings them back."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
+def _row_weight(lab, reduction, acc):
+    """Each row's weight in the reduced loss: 1 / valid rows (mean), 1 (sum, none), 0 if ignored."""
+    valid = lab >= 0
+    w = valid.astype(acc)
+    if reduction == "mean":
+        w = w / jnp.maximum(jnp.sum(valid), 1).astype(acc)
+    return w
+
+
 def _xla_partials(x2, lab, with_sum, V):
     """The kernel's partials in XLA: row max m, s = sum(exp(x - m)), label logit, sum(x / V)."""
     xf = x2.astype(B.acc_dtype(x2))
@@ -56,27 +80,45 @@ def _xla_partials(x2, lab, with_sum, V):
     return m, s, jnp.where(lab >= 0, xl, 0.0), sx
 
 
+def _xla_grad(x2, lab, m, s, w, eps, z, V):
+    """``d = w * ((1 + 2 z lse) exp(x - m) / s - (1 - eps) onehot - eps/V)`` in XLA (the kernels' formula)."""
+    xf = x2.astype(B.acc_dtype(x2))
+    m, s = m.astype(xf.dtype), s.astype(xf.dtype)
+    safe = jnp.where(s > 0, s, 1.0)
+    scale = jnp.where(s > 0, 1.0 / safe, 0.0)
+    if z:
+        scale = scale * (1.0 + 2.0 * z * _lse(m, safe))
+    p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * scale[:, None]
+    onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
+    d = p - jnp.where(onehot, 1.0 - eps, 0.0)
+    if eps:
+        d = d - eps / V
+    d = jnp.where(w[:, None] != 0, w[:, None] * d, 0.0)
+    return d.astype(_grad_dtype(x2.dtype))
+
+
 def _lse(m, s):
     """log(sum(exp(x))) from the row max and the shifted sum; -inf for an all -inf row."""
     return jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s)
 
 
-def _rows_fwd(impl, x2, lab, eps, z, axes, V):
-    """Per-row (m, s, loss) f32; on a vocabulary shard the partials are combined over ``axes``."""
-    local = _shard_labels(lab, x2.shape[-1], axes)
-    if impl.pallas:
-        m, s, xl, sx = kernels.cross_entropy_fwd(x2, local, with_sum=bool(eps), n_classes=V,
-                                                 interpret=impl.interpret)
-    else:
-        m, s, xl, sx = _xla_partials(x2, local, bool(eps), V)
-    if axes:  # the shards' (max, sum) combine as an online softmax does; the rest are sums
-        # The global max is a shift that cancels in the loss: no derivative through pmax.
-        mg = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(m), axes))
-        rescale = jnp.exp(m - jnp.where(jnp.isfinite(mg), mg, 0.0))
-        s = jax.lax.psum(jnp.where(s > 0, s * rescale, 0.0), axes)
-        m = jnp.where(jnp.isfinite(mg), mg, m)
-        xl = jax.lax.psum(xl, axes)
-        sx = jax.lax.psum(sx, axes) if eps else sx
+def _combine(m, s, xl, sx, eps, axes):
+    """The vocabulary shards' partials combined over ``axes``: (max, sum) as an online
+    softmax does, the label logit and the mean by a sum."""
+    if not axes:
+        return m, s, xl, sx
+    # The global max is a shift that cancels in the loss: no derivative through pmax.
+    mg = jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(m), axes))
+    rescale = jnp.exp(m - jnp.where(jnp.isfinite(mg), mg, 0.0))
+    s = jax.lax.psum(jnp.where(s > 0, s * rescale, 0.0), axes)
+    m = jnp.where(jnp.isfinite(mg), mg, m)
+    xl = jax.lax.psum(xl, axes)
+    sx = jax.lax.psum(sx, axes) if eps else sx
+    return m, s, xl, sx
+
+
+def _row_loss(m, s, xl, sx, lab, eps, z):
+    """Per-row loss from the whole vocabulary's partials, 0 on ignored rows."""
     # lse - (1 - eps) x[label] - eps mean(x), grouped so that the large terms cancel exactly
     # (m - x[label] is exact in f32 for nearby values) before log(s) is added: at logits of
     # 1e6 an f32 lse would round log(s) to the ulp of 1e6.
@@ -87,7 +129,16 @@ def _rows_fwd(impl, x2, lab, eps, z, axes, V):
     if z:
         lse = _lse(m, s)
         loss = loss + z * lse * lse
-    return m, s, jnp.where(lab >= 0, loss, 0.0)
+    return jnp.where(lab >= 0, loss, 0.0)
+
+
+def _stats(impl, x2, local, eps, axes, V):
+    """(m, s, x[label], mean(x)) per row over the whole vocabulary."""
+    if impl.pallas:
+        parts = kernels.cross_entropy_stats(x2, local, with_sum=bool(eps), n_classes=V, interpret=impl.interpret)
+    else:
+        parts = _xla_partials(x2, local, bool(eps), V)
+    return _combine(*parts, eps, axes)
 
 
 def _reduce(loss, lab, lead, reduction, dtype):
@@ -99,79 +150,59 @@ def _reduce(loss, lab, lead, reduction, dtype):
     return total.astype(dtype)
 
 
-def _row_cotangent(ct, lab, reduction, acc):
-    valid = lab >= 0
-    if reduction == "none":
-        g = ct.reshape(-1).astype(acc)
-    else:
-        g = jnp.broadcast_to(ct.astype(acc), lab.shape)
-        if reduction == "mean":
-            g = g / jnp.maximum(jnp.sum(valid), 1).astype(acc)
-    return jnp.where(valid, g, 0.0)
-
-
-def _xla_bwd(x2, lab, m, s, g, eps, z, V):
-    xf = x2.astype(B.acc_dtype(x2))
-    m, s = m.astype(xf.dtype), s.astype(xf.dtype)
-    scale = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
-    if z:
-        scale = scale * (1.0 + 2.0 * z * _lse(m, jnp.where(s > 0, s, 1.0)))
-    p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * scale[:, None]
-    onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
-    d = p - jnp.where(onehot, 1.0 - eps, 0.0)
-    if eps:
-        d = d - eps / V
-    d = jnp.where(g[:, None] != 0, g[:, None] * d, 0.0)
-    return d.astype(x2.dtype)
-
-
 @functools.partial(custom_op, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _cross_entropy(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
-    return _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes)[0]
+    # Not differentiated: the partials only, no gradient written.
+    x2, lead = B.rows(logits)
+    lab = _valid_labels(labels.reshape(-1), V, ignore_index)
+    m, s, xl, sx = _stats(impl, x2, _shard_labels(lab, x2.shape[-1], axes), eps, axes, V)
+    return _reduce(_row_loss(m, s, xl, sx, lab, eps, z), lab, lead, reduction, logits.dtype)
 
 
 def _cross_entropy_tangent(ignore_index, eps, z, reduction, impl, V, axes, res, dlogits, _):
-    """Per row, with p = exp(x - m) / s the softmax from the saved max and sum:
-    dloss = (1 + 2 z lse) sum(p * dx) - (1 - eps) dx[label] - eps/V sum(dx)."""
-    logits, lab, m, s = res
-    x2, lead = B.rows(logits)
-    acc = m.dtype
-    xf, dxf = x2.astype(acc), dlogits.reshape(x2.shape).astype(acc)
-    inv_s = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
-    p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * inv_s[:, None]
-    local = _shard_labels(lab, x2.shape[-1], axes)
-    dlse = jnp.sum(p * dxf, axis=-1)
-    dxl = jnp.where(local >= 0, jnp.take_along_axis(dxf, jnp.maximum(local, 0)[:, None], axis=-1)[:, 0], 0.0)
-    dsx = jnp.sum(dxf, axis=-1) if eps else jnp.zeros_like(dlse)
-    if axes:  # each vocabulary shard holds part of each sum
-        dlse, dxl, dsx = (jax.lax.psum(t, axes) for t in (dlse, dxl, dsx))
-    dloss = dlse - (1.0 - eps) * dxl
-    if z:
-        dloss = dloss + 2.0 * z * _lse(m, jnp.where(s > 0, s, 1.0)) * dlse
-    if eps:
-        dloss = dloss - (eps / V) * dsx
-    return _reduce(jnp.where(lab >= 0, dloss, 0.0), lab, lead, reduction, logits.dtype)
+    """``d`` is the reduced loss's gradient: the tangent is ``sum(d * dlogits)`` over the
+    classes (then over the rows unless ``reduction="none"``)."""
+    (d,) = res
+    acc = B.acc_dtype(d)
+    t = jnp.sum(d.astype(acc) * dlogits.astype(acc), axis=-1)
+    if axes:  # each vocabulary shard holds part of each row's sum
+        t = jax.lax.psum(t, axes)
+    if reduction != "none":
+        t = jnp.sum(t)
+    return t.astype(dlogits.dtype)
 
 
 def _cross_entropy_fwd(logits, labels, ignore_index, eps, z, reduction, impl, V, axes):
     x2, lead = B.rows(logits)
     lab = _valid_labels(labels.reshape(-1), V, ignore_index)
-    m, s, loss = _rows_fwd(impl, x2, lab, eps, z, axes, V)
-    return _reduce(loss, lab, lead, reduction, logits.dtype), (logits, lab, m, s)
+    local = _shard_labels(lab, x2.shape[-1], axes)
+    acc = B.acc_dtype(logits)
+    w = _row_weight(lab, reduction, jnp.float32 if impl.pallas else acc)
+    if impl.pallas and not axes:  # one kernel: statistics, then the gradient from the same tiles
+        m, s, xl, sx, d = kernels.cross_entropy_fwd(x2, local, w, label_smoothing=eps, z_loss=z,
+                                                    grad_dtype=_grad_dtype(x2.dtype), interpret=impl.interpret)
+    else:  # on a vocabulary shard the gradient needs the combined statistics first
+        m, s, xl, sx = _stats(impl, x2, local, eps, axes, V)
+        if impl.pallas:
+            d = kernels.cross_entropy_grad(x2, local, m, s, w, label_smoothing=eps, z_loss=z, n_classes=V,
+                                           grad_dtype=_grad_dtype(x2.dtype), interpret=impl.interpret)
+        else:
+            d = _xla_grad(x2, local, m, s, w, eps, z, V)
+    loss = _reduce(_row_loss(m, s, xl, sx, lab, eps, z), lab, lead, reduction, logits.dtype)
+    return loss, (d.reshape(logits.shape),)
 
 
 def _cross_entropy_bwd(ignore_index, eps, z, reduction, impl, V, axes, res, ct):
-    logits, lab, m, s = res
-    x2, _ = B.rows(logits)
-    g = _row_cotangent(ct, lab, reduction, m.dtype)
-    g = S.replicated_cotangent(g, axes)  # every vocabulary shard holds a copy of the loss
-    local = _shard_labels(lab, x2.shape[-1], axes)
+    (d,) = res
+    d2, _ = B.rows(d)
+    acc = jnp.float32 if impl.pallas else B.acc_dtype(d, ct)
+    g = ct.reshape(-1) if reduction == "none" else jnp.broadcast_to(ct, (d2.shape[0],))
+    g = S.replicated_cotangent(g.astype(acc), axes)  # every vocabulary shard holds a copy of the loss
     if impl.pallas:
-        dx = kernels.cross_entropy_bwd(x2, local, m, s, g, label_smoothing=eps, z_loss=z, n_classes=V,
-                                       interpret=impl.interpret)
+        dx = kernels.cross_entropy_bwd(d2, g, out_dtype=ct.dtype, interpret=impl.interpret)
     else:
-        dx = _xla_bwd(x2, local, m, s, g, eps, z, V)
-    return dx.reshape(logits.shape), None
+        dx = (g[:, None] * d2.astype(acc)).astype(ct.dtype)
+    return dx.reshape(d.shape), None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -253,11 +284,13 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Returns:
       A scalar (mean, sum) or [...] (none) in logits' dtype.
 
-    Residuals: logits, labels (int32) and per row the max and the shifted sum of
-    exponentials ([rows] float32 each): O(rows) beyond the logits; no [rows, V] softmax is
-    saved. Keeping the max and the sum (not only their logsumexp) keeps the gradient exact to
-    f32 rounding at any logit offset: rows of ``softmax - onehot`` sum to 0 at logits of 1e6,
-    and tied logits of 1e8 get equal probabilities.
+    Residuals: the gradient for a unit cotangent, ``d`` [..., V] in logits' dtype (float32
+    for float16 logits), computed in the forward while the logits are on chip; the logits
+    themselves are not kept, so the saved bytes equal the logits'. The backward scales ``d``
+    by the cotangent, in place, and skips rows whose cotangent is 1. The softmax inside
+    ``d`` comes from the row max and the shifted sum (not only their logsumexp), which keeps
+    the gradient exact to f32 rounding at any logit offset: rows of ``softmax - onehot`` sum
+    to 0 at logits of 1e6, and tied logits of 1e8 get equal probabilities.
 
     Sharding: under ``jax.set_mesh`` (explicit or Auto axes), rows may be sharded (data
     parallel) and so may the class axis V (vocab-parallel: per-shard partials combined by
@@ -269,9 +302,10 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
         outside [0, 1], z_loss < 0, unknown reduction or implementation.
 
-    Source: the backward is ``dlogits = g * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)``,
-    the softmax recomputed as ``exp(x - max) / sum`` from the saved row max and sum (the
-    online-softmax statistics of Milakov & Gimelshein 2018).
+    Source: ``dlogits = g * w * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)`` with ``w``
+    the row's weight in the reduction, the softmax as ``exp(x - max) / sum`` from the row max
+    and sum (the online-softmax statistics of Milakov & Gimelshein 2018); the gradient is
+    written in the forward as Liger-Kernel's cross-entropy does (Hsu et al. 2024).
     """
     op = "cross_entropy"
     B.check_float(op, "logits", logits)

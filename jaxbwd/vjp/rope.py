@@ -4,8 +4,9 @@ Forward (XLA): angles ``pos * inv_freq`` with ``inv_freq = theta**(-2i/H)`` (opt
 rescaled as Llama 3.1) in float32 (float64 for float64 x), the rotation applied in f32 and
 cast back. Saved for the backward: the positions [B, T] only (int32, or float32 when
 fractional or interpolated); the op is linear in x, so neither x nor cos/sin tables are
-kept. Backward: the Pallas ``rope_bwd`` kernel (angles recomputed in f32 in registers) or
-the same rotation in XLA.
+kept. Backward: the Pallas ``rope_bwd`` kernel (angles and their cos/sin recomputed in f32
+in registers once per position and pair, reused across the heads) or the same rotation in
+XLA.
 """
 from __future__ import annotations
 
@@ -73,8 +74,7 @@ def _rope_fwd(x, pos, freqs, interleaved, impl):
 
 def _rope_bwd(freqs, interleaved, impl, pos, dy):
     if impl.pallas:
-        table = None if freqs.llama3 is None else freqs.inv_freq(dy.shape[-1], jnp.float32)
-        dx = kernels.rope_bwd(dy, pos, theta=freqs.theta, interleaved=interleaved, inv_freq=table,
+        dx = kernels.rope_bwd(dy, pos, freqs.inv_freq(dy.shape[-1], jnp.float32), interleaved=interleaved,
                               interpret=impl.interpret)
     else:
         dx = _rotate(dy, pos, freqs, interleaved, -1.0)
