@@ -11,6 +11,7 @@ from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.group_norm import group_norm
 from jaxbwd.vjp.losses import cross_entropy
+from jaxbwd.vjp.linear_cross_entropy import linear_cross_entropy
 from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
@@ -23,7 +24,7 @@ __all__ = [
     "config",
     "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
-    "dot_product_attention", "embed", "rope", "cross_entropy",
+    "dot_product_attention", "embed", "rope", "cross_entropy", "linear_cross_entropy",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",

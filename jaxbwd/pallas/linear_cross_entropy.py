@@ -1,0 +1,323 @@
+"""Kernels of linear_cross_entropy: the LM head ``x @ w`` and its softmax cross-entropy
+fused, the [tokens, V] logits never written to memory.
+
+Every kernel builds logit tiles [block_t, block_v] from x [R, D] and w (the Dense layout
+[D, V], or an embedding table [V, D] read transposed) with tensor-core dots over D chunks of
+``block_d`` columns (f32 accumulation, ``_common.dot``), optionally soft-capped
+(``c * tanh(z / c)``, Gemma 2). This is the shape of Cut Cross-Entropy (Wijmans et al.,
+ICLR 2025), made deterministic by splitting the backward in two kernels that each own
+their outputs (as the attention backward splits dq and dk/dv):
+
+``linear_cross_entropy_fwd``: grid (token blocks, vocabulary splits). A program walks the
+vocabulary blocks of its split keeping, per token, the online max ``m`` and sum of
+exponentials ``s = sum(exp(z - m))`` (Milakov & Gimelshein 2018), the label's logit and,
+with label smoothing, ``sum(z) / V``. It writes these four f32 partials per (split,
+token); XLA combines the splits as vocab-parallel cross-entropy combines shards
+(Megatron-LM, Shoeybi et al. 2019). Splitting the vocabulary keeps the GPU full when there
+are few token blocks; the partials are O(tokens * splits).
+
+Backward, with per-token f32 cotangents ``g`` (of the loss, 0 on ignored tokens) and
+``gl`` (of the returned lse), and the softmax recomputed from the saved ``m`` and ``s``:
+
+    dz = (g + gl) * exp(z - m) / s - (1 - eps) * g * onehot(label) - eps / V * g
+
+(times ``1 - tanh^2`` under a softcap), cast to the operands' dtype for the tensor cores.
+
+- ``linear_cross_entropy_bwd_dx``: one program per token block; for each vocabulary block
+  it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of an f32 dx,
+  one D chunk at a time (the [block_t, D] accumulator does not fit in registers, so it
+  lives in the program's own rows of global memory: read, add, write, in a fixed order).
+- ``linear_cross_entropy_bwd_dw``: one program per vocabulary block; for each token block
+  it recomputes the logit tile and adds ``x_blk^T @ dz`` to its own columns of an f32 dw.
+
+No atomics: every output element has one writer and a fixed summation order, so the
+gradients are bitwise reproducible. The backward costs two logit recomputations
+(2 x 2RDV flops) besides the 2 x 2RDV of the gradients themselves. Exponentials are
+``C.exp`` (exp2). Gradient filtering (skipping blocks whose softmax is below the output
+dtype's resolution, as CCE does) is not implemented: every block is computed.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Static description of one problem (a hashable kernel parameter).
+
+    R tokens, D features, V vocabulary columns of this w (a shard's width under
+    vocab-parallel sharding), ``n_classes`` the whole vocabulary (for ``eps / V``).
+    """
+
+    R: int
+    D: int
+    V: int
+    n_classes: int
+    eps: float
+    softcap: Optional[float]
+    transpose_w: bool
+
+
+_BLOCKS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("jaxbwd_lce_blocks", default=None)
+
+
+@contextlib.contextmanager
+def block_sizes(block_t: int, block_v: int, block_d: int):
+    """Overrides the kernels' (power-of-two) block sizes while tracing; for tests of tails
+    and multi-block loops at small shapes. Blocks under 16 only work in interpret mode."""
+    token = _BLOCKS.set((int(block_t), int(block_v), int(block_d)))
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)
+
+
+def _blocks(d: Dims, dtype):
+    """(block_t, block_v, block_d, num_warps).
+
+    64 x 128 logit tiles from 64-wide D chunks: the f32 logit tile is 64 registers per
+    thread over 4 warps (one Hopper warpgroup: wgmma wants M = 64 per warpgroup), and the
+    per-chunk operands [64, 64] and [64, 128] stay small enough to double-buffer.
+    f32 operands take half the D chunk (twice the bytes per element).
+    """
+    over = _BLOCKS.get()
+    if over is not None:
+        bt, bv, bd = over
+    else:
+        bt, bv, bd = 64, 128, 64 if jnp.dtype(dtype).itemsize <= 2 else 32
+        bt = min(bt, max(16, C.next_pow2(d.R)))
+        bv = min(bv, max(16, C.next_pow2(d.V)))
+        bd = min(bd, max(16, C.next_pow2(d.D)))
+    return bt, bv, bd, 4
+
+
+def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
+    """w's tile for D chunk ``dc`` and vocabulary columns ``cols``: [bd, bv] in the Dense
+    layout, [bv, bd] (rows of the table) with ``transpose_w``; out-of-bounds lanes 0."""
+    if d.transpose_w:
+        return C.load(w_ref, (cols[:, None], dc[None, :]), cmask[:, None] & dmask[None, :], dtype=w_ref.dtype)
+    return C.load(w_ref, (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :], dtype=w_ref.dtype)
+
+
+def _x_tile(x_ref, rows, rmask, dc, dmask):
+    return C.load(x_ref, (rows[:, None], dc[None, :]), rmask[:, None] & dmask[None, :], dtype=x_ref.dtype)
+
+
+def _logit_tile(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, bt: int, bv: int, bd: int):
+    """The f32 logit tile [bt, bv] (soft-capped) and, under a softcap, ``t = tanh(z / c)``."""
+
+    def body(k, acc):
+        dc = k * bd + jnp.arange(bd)
+        dmask = dc < d.D
+        xt = _x_tile(x_ref, rows, rmask, dc, dmask)
+        wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
+        return acc + C.dot(xt, wt, trans_b=d.transpose_w)
+
+    z = lax.fori_loop(0, C.cdiv(d.D, bd), body, jnp.zeros((bt, bv), jnp.float32))
+    if d.softcap is None:
+        return z, None
+    t = jnp.tanh(z * (1.0 / d.softcap))
+    return d.softcap * t, t
+
+
+# ---------------------------------------------------------------------------- forward
+def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims, bt: int, bv: int, bd: int,
+                per_split: int, with_sum: bool):
+    i, sp = pl.program_id(0), pl.program_id(1)
+    rows = i * bt + jnp.arange(bt)
+    rmask = rows < d.R
+    # Labels arrive validated: -1 marks an ignored token or a label on another shard.
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+    inv_n = 1.0 / d.n_classes
+
+    def body(j, carry):
+        m, s, xl, sx = carry
+        cols = j * bv + jnp.arange(bv)
+        cmask = cols < d.V
+        z, _ = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
+        z = jnp.where(cmask[None, :], z, NEG_INF)
+        m, s = C.online_lse_update(m, s, z)
+        xl = xl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], z, 0.0), axis=1)
+        if with_sum:
+            sx = sx + jnp.sum(jnp.where(cmask[None, :], z * inv_n, 0.0), axis=1)
+        return m, s, xl, sx
+
+    lo = sp * per_split
+    hi = jnp.minimum(lo + per_split, C.cdiv(d.V, bv))
+    zeros = jnp.zeros((bt,), jnp.float32)
+    m, s, xl, sx = lax.fori_loop(lo, hi, body, (jnp.full((bt,), NEG_INF, jnp.float32), zeros, zeros, zeros))
+    for ref, v in ((m_ref, m), (s_ref, s), (xl_ref, xl), (sx_ref, sx)):
+        C.store(ref, (sp, rows), v, rmask)
+
+
+def _num_splits(d: Dims, bt: int, bv: int) -> int:
+    """Vocabulary splits of the forward grid: enough programs for two per SM
+    (``C.PERSISTENT_PROGRAMS``), each split at least 8 vocabulary blocks long."""
+    nrb, nvb = C.cdiv(d.R, bt), C.cdiv(d.V, bv)
+    return max(1, min(C.cdiv(C.PERSISTENT_PROGRAMS, nrb), nvb // 8))
+
+
+def linear_cross_entropy_fwd(x, w, labels, d: Dims, *, with_sum: bool, interpret: bool = False):
+    """Per-token partials of the cross-entropy of the logits ``x @ w`` (soft-capped), one pass.
+
+    Args:
+      x: [R, D]; w: [D, V] ([V, D] with ``d.transpose_w``), x's dtype; labels: [R] int32 in
+        [0, V) or -1 (ignored token, or label elsewhere).
+      with_sum: also sum each token's logits divided by ``d.n_classes`` (label smoothing).
+    Returns:
+      (m, s, x_label, x_mean), each [splits, R] float32: per vocabulary split, the max, the
+      shifted sum of exponentials, the label's logit (0 where absent) and ``sum(z) / V``
+      (0 unless ``with_sum``). Combine the splits with :func:`combine_splits`.
+    """
+    bt, bv, bd, nw = _blocks(d, x.dtype)
+    n_split = _num_splits(d, bt, bv)
+    per_split = C.cdiv(C.cdiv(d.V, bv), n_split)
+    vec = jax.ShapeDtypeStruct((n_split, d.R), jnp.float32)
+    kernel = functools.partial(_fwd_kernel, d=d, bt=bt, bv=bv, bd=bd, per_split=per_split, with_sum=bool(with_sum))
+    nrb = C.cdiv(d.R, bt)
+    return C.call(
+        kernel, name="linear_cross_entropy_fwd", grid=(nrb, n_split), out_shape=(vec, vec, vec, vec),
+        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * d.R * d.D * d.V, transcendentals=d.R * d.V,
+        bytes_accessed=C.nbytes(x, labels) + nrb * C.nbytes(w) + 16 * n_split * d.R,
+    )(x, w, labels)
+
+
+def combine_splits(m, s, xl, sx):
+    """Partials over splits (axis 0) -> per-token (m, s, x_label, x_mean): the splits' (max,
+    sum) combine as an online softmax does, the rest are sums."""
+    mg = jnp.max(m, axis=0)
+    shift = C.finite_or_zero(mg)
+    s = jnp.sum(jnp.where(s > 0, s * jnp.exp(m - shift[None, :]), 0.0), axis=0)
+    return mg, s, jnp.sum(xl, axis=0), jnp.sum(sx, axis=0)
+
+
+# --------------------------------------------------------------------------- backward
+def _row_terms(d: Dims, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask):
+    """Per token: label, shift m, and the factors of dz = a exp(z - m) - b onehot - c."""
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+    m = C.finite_or_zero(C.load(m_ref, rows, rmask))
+    s = C.load(s_ref, rows, rmask)
+    g = C.load(g_ref, rows, rmask)
+    gl = C.load(gl_ref, rows, rmask)
+    a = (g + gl) * jnp.where(s > 0.0, 1.0 / jnp.where(s > 0.0, s, 1.0), 0.0)
+    return lab, m, a, (1.0 - d.eps) * g, (d.eps / d.n_classes) * g
+
+
+def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, dtype):
+    lab, m, a, b, c = terms
+    z, t = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
+    dz = C.exp(z - m[:, None]) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
+    if d.eps:
+        dz = dz - c[:, None]
+    if t is not None:
+        dz = dz * (1.0 - t * t)
+    return jnp.where(cmask[None, :], dz, 0.0).astype(dtype)
+
+
+def _accumulate(ref, idx, mask, value, first: bool):
+    """``ref[idx] (+)= value`` on rows or columns the program owns: a fixed order, no atomics."""
+    if not first:
+        value = value + C.load(ref, idx, mask)
+    C.store(ref, idx, value, mask)
+
+
+def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d: Dims, bt: int, bv: int, bd: int):
+    i = pl.program_id(0)
+    rows = i * bt + jnp.arange(bt)
+    rmask = rows < d.R
+    terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
+
+    def step(j, first: bool):
+        cols = j * bv + jnp.arange(bv)
+        cmask = cols < d.V
+        dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
+
+        def chunk(k, carry):
+            dc = k * bd + jnp.arange(bd)
+            dmask = dc < d.D
+            wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
+            contrib = C.dot(dz, wt, trans_b=not d.transpose_w)  # [bt, bd]
+            _accumulate(dx_ref, (rows[:, None], dc[None, :]), rmask[:, None] & dmask[None, :], contrib, first)
+            return carry
+
+        lax.fori_loop(0, C.cdiv(d.D, bd), chunk, 0)
+
+    step(0, True)  # the first vocabulary block writes, the others add
+
+    def rest(j, carry):
+        step(j, False)
+        return carry
+
+    lax.fori_loop(1, C.cdiv(d.V, bv), rest, 0)
+
+
+def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *, d: Dims, bt: int, bv: int, bd: int):
+    j = pl.program_id(0)
+    cols = j * bv + jnp.arange(bv)
+    cmask = cols < d.V
+
+    def step(i, first: bool):
+        rows = i * bt + jnp.arange(bt)
+        rmask = rows < d.R
+        terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
+        dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
+
+        def chunk(k, carry):
+            dc = k * bd + jnp.arange(bd)
+            dmask = dc < d.D
+            xt = _x_tile(x_ref, rows, rmask, dc, dmask)
+            if d.transpose_w:  # [bv, bd] rows of the table
+                contrib = C.dot(dz, xt, trans_a=True)
+                idx, mask = (cols[:, None], dc[None, :]), cmask[:, None] & dmask[None, :]
+            else:  # [bd, bv] columns of the kernel
+                contrib = C.dot(xt, dz, trans_a=True)
+                idx, mask = (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :]
+            _accumulate(dw_ref, idx, mask, contrib, first)
+            return carry
+
+        lax.fori_loop(0, C.cdiv(d.D, bd), chunk, 0)
+
+    step(0, True)
+
+    def rest(i, carry):
+        step(i, False)
+        return carry
+
+    lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
+
+
+def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: bool = False):
+    """dx [R, D] and dw (w's shape) in float32 from the saved per-token ``m`` and
+    ``s = sum(exp(z - m))`` ([R] f32, over the whole vocabulary) and the per-token f32
+    cotangents ``g`` (of the loss; 0 on ignored tokens) and ``gl`` (of the lse).
+
+    ``labels`` [R] int32 as for :func:`linear_cross_entropy_fwd`.
+    """
+    bt, bv, bd, nw = _blocks(d, x.dtype)
+    args = (x, w, labels, m, s, g, gl)
+    flops = 4 * d.R * d.D * d.V
+    common = dict(interpret=interpret, num_warps=nw, num_stages=2, flops=flops, transcendentals=d.R * d.V)
+    dx = C.call(
+        functools.partial(_dx_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dx",
+        grid=(C.cdiv(d.R, bt),), out_shape=jax.ShapeDtypeStruct((d.R, d.D), jnp.float32),
+        bytes_accessed=C.nbytes(*args) + C.cdiv(d.R, bt) * C.nbytes(w) + 8 * d.R * d.D * C.cdiv(d.V, bv), **common,
+    )(*args)
+    dw = C.call(
+        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dw",
+        grid=(C.cdiv(d.V, bv),), out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
+        bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
+    )(*args)
+    return dx, dw
