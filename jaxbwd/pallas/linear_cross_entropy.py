@@ -195,13 +195,19 @@ def linear_cross_entropy_fwd(x, w, labels, d: Dims, *, with_sum: bool, interpret
     )(x, w, labels)
 
 
-def combine_splits(m, s, xl, sx):
-    """Partials over splits (axis 0) -> per-token (m, s, x_label, x_mean): the splits' (max,
-    sum) combine as an online softmax does, the rest are sums."""
-    mg = jnp.max(m, axis=0)
+def combine_splits(m, s, xl, sx, *, reduce_max=None, reduce_sum=None):
+    """Partials of disjoint vocabulary parts -> per-token (m, s, x_label, x_mean): the parts'
+    (max, sum) combine as an online softmax does, the rest are sums.
+
+    By default the parts are axis 0 (the forward kernel's splits); ``reduce_max`` and
+    ``reduce_sum`` reduce over other parts instead (``pmax``/``psum`` over the mesh axes of
+    a vocabulary-sharded w)."""
+    rmax = reduce_max or (lambda v: jnp.max(v, axis=0))
+    rsum = reduce_sum or (lambda v: jnp.sum(v, axis=0))
+    mg = rmax(m)
     shift = C.finite_or_zero(mg)
-    s = jnp.sum(jnp.where(s > 0, s * jnp.exp(m - shift[None, :]), 0.0), axis=0)
-    return mg, s, jnp.sum(xl, axis=0), jnp.sum(sx, axis=0)
+    s = rsum(jnp.where(s > 0, s * jnp.exp(m - shift), 0.0))
+    return mg, s, rsum(xl), rsum(sx)
 
 
 # --------------------------------------------------------------------------- backward

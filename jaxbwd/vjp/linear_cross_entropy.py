@@ -35,7 +35,8 @@ from jaxbwd.pallas import _common as PC
 from jaxbwd.pallas import linear_cross_entropy as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
-from jaxbwd.vjp.losses import REDUCTIONS, _valid_labels
+from jaxbwd.vjp.losses import REDUCTIONS, _shard_labels, _valid_labels
+from jaxbwd import sharding as S
 
 # Logit elements one XLA chunk holds ([R, C] f32 arrays: the logits, their exponentials,
 # dz): 2**23 is 32 MiB per array, so C = 1024 vocabulary columns at R = 8192 tokens.
@@ -62,11 +63,13 @@ class _Cfg:
     eps: float
     softcap: Optional[float]
     transpose_w: bool
+    n_classes: int  # the whole vocabulary (w may be a vocabulary shard)
+    axes: tuple  # mesh axes sharding the vocabulary (vocab-parallel), () otherwise
     impl: B.Impl
 
     def dims(self, x2, w) -> kernels.Dims:
         V = w.shape[0] if self.transpose_w else w.shape[1]
-        return kernels.Dims(R=x2.shape[0], D=x2.shape[1], V=V, n_classes=V, eps=self.eps,
+        return kernels.Dims(R=x2.shape[0], D=x2.shape[1], V=V, n_classes=self.n_classes, eps=self.eps,
                             softcap=self.softcap, transpose_w=self.transpose_w)
 
 
@@ -106,6 +109,7 @@ def _chunk(cfg, x2, w, j, c, V, acc):
 
 
 def _xla_partials(cfg, x2, w, lab, V):
+    """Per token over this w's V columns: max, sum(exp(z - max)), z[label], sum(z) / n_classes."""
     acc = B.acc_dtype(x2, w)
     R = x2.shape[0]
     c, n = _chunking(R, V)
@@ -119,7 +123,7 @@ def _xla_partials(cfg, x2, w, lab, V):
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(z - shift[:, None]), axis=1)
         xl = xl + jnp.sum(jnp.where((cols == lab[:, None]) & fresh[None, :], z, 0.0), axis=1)
         if cfg.eps:
-            sx = sx + jnp.sum(jnp.where(fresh[None, :], z * (1.0 / V), 0.0), axis=1)
+            sx = sx + jnp.sum(jnp.where(fresh[None, :], z * (1.0 / cfg.n_classes), 0.0), axis=1)
         return (m_new, s, xl, sx), None
 
     zeros = jnp.zeros((R,), acc)
@@ -139,7 +143,7 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
     c, n = _chunking(R, V)
     m0 = PC.finite_or_zero(m)
     a = _p_factor(m, s, g, gl)
-    b, cc = (1.0 - cfg.eps) * g, (cfg.eps / V) * g
+    b, cc = (1.0 - cfg.eps) * g, (cfg.eps / cfg.n_classes) * g
     contract = (((0,), (0,)), ((), ()))
 
     def body(carry, j):
@@ -185,11 +189,17 @@ def _rows_out(cfg, m, s, xl, sx, lab):
 
 def _lce_fwd(x2, w, lab, cfg):
     d = cfg.dims(x2, w)
+    local = _shard_labels(lab, d.V, cfg.axes)
     if cfg.impl.pallas:
-        parts = kernels.linear_cross_entropy_fwd(x2, w, lab, d, with_sum=bool(cfg.eps), interpret=cfg.impl.interpret)
+        parts = kernels.linear_cross_entropy_fwd(x2, w, local, d, with_sum=bool(cfg.eps), interpret=cfg.impl.interpret)
         m, s, xl, sx = kernels.combine_splits(*parts)
     else:
-        m, s, xl, sx = _xla_partials(cfg, x2, w, lab, d.V)
+        m, s, xl, sx = _xla_partials(cfg, x2, w, local, d.V)
+    if cfg.axes:  # vocab-parallel: the shards' partials combine as the splits' do
+        # The global max is a shift that cancels in the loss: no derivative through pmax.
+        pmax = lambda v: jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(v), cfg.axes))  # noqa: E731
+        psum = lambda v: jax.lax.psum(v, cfg.axes)  # noqa: E731
+        m, s, xl, sx = kernels.combine_splits(m, s, xl, sx, reduce_max=pmax, reduce_sum=psum)
     return _rows_out(cfg, m, s, xl, sx, lab), (x2, w, lab, m, s)
 
 
@@ -200,13 +210,17 @@ def _lce(x2, w, lab, cfg):
 
 def _lce_bwd(cfg, res, ct):
     x2, w, lab, m, s = res
+    ct = S.replicated_cotangent(ct, cfg.axes)  # every vocabulary shard holds a copy of the output
     g = jnp.where(lab >= 0, ct[0], 0.0).astype(m.dtype)
     gl = ct[1].astype(m.dtype)
     d = cfg.dims(x2, w)
+    lab = _shard_labels(lab, d.V, cfg.axes)
     if cfg.impl.pallas:
         dx, dw = kernels.linear_cross_entropy_bwd(x2, w, lab, m, s, g, gl, d, interpret=cfg.impl.interpret)
     else:
         dx, dw = _xla_bwd(cfg, x2, w, lab, m, s, g, gl, d.V)
+    # Under vocab-parallel sharding dx is this shard's partial: shard_map's transpose sums
+    # the partials of x, an operand replicated over the vocabulary axes.
     return dx.astype(x2.dtype), dw.astype(w.dtype), None
 
 
@@ -214,9 +228,10 @@ def _lce_tangent(cfg, res, dx2, dw, _):
     """Per token, with p the softmax recomputed from the saved m and s and dz the logits'
     tangent ``(dx w + x dw)`` (times 1 - tanh^2 under a softcap), chunk by chunk:
     dlse = sum(p dz), dloss = dlse - (1 - eps) dz[label] - eps mean(dz)."""
-    x2, w, lab, m, s = res
+    x2, w, glab, m, s = res
     acc = m.dtype
     R, V = x2.shape[0], cfg.dims(x2, w).V
+    lab = _shard_labels(glab, V, cfg.axes)
     c, n = _chunking(R, V)
     m0 = PC.finite_or_zero(m)
     inv_s = _p_factor(m, s, jnp.ones_like(s), jnp.zeros_like(s))
@@ -233,13 +248,15 @@ def _lce_tangent(cfg, res, dx2, dw, _):
         dlse = dlse + jnp.sum(p * dz, axis=1)
         dxl = dxl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], dz, 0.0), axis=1)
         if cfg.eps:
-            dsx = dsx + jnp.sum(dz, axis=1) * (1.0 / V)
+            dsx = dsx + jnp.sum(dz, axis=1) * (1.0 / cfg.n_classes)
         return (dlse, dxl, dsx), None
 
     zeros = jnp.zeros((R,), acc)
     (dlse, dxl, dsx), _ = jax.lax.scan(body, (zeros, zeros, zeros), jnp.arange(n))
+    if cfg.axes:  # each vocabulary shard holds part of each sum
+        dlse, dxl, dsx = (jax.lax.psum(t, cfg.axes) for t in (dlse, dxl, dsx))
     dloss = dlse - (1.0 - cfg.eps) * dxl - cfg.eps * dsx
-    return jnp.stack([jnp.where(lab >= 0, dloss, 0.0), dlse])
+    return jnp.stack([jnp.where(glab >= 0, dloss, 0.0), dlse])
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -349,21 +366,29 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
 
     dtype = jnp.result_type(x, w)
-    x2, lead = B.rows(x.astype(dtype))
-    w = w.astype(dtype)
-    impl = B.impl(implementation, op, x2)
-    PC.check_index_range(op, tokens=x2.shape[0], D=D, V=V)
-    lab = _valid_labels(labels.reshape(-1), V, ignore_index)
-    rows = _lce(x2, w, lab, _Cfg(eps, cap, bool(transpose_w), impl))
-    loss, lse = rows[0], rows[1]
-    valid = lab >= 0
+    PC.check_index_range(op, tokens=int(np.prod(x.shape[:-1])), D=D, V=V)
+    impl = B.impl(implementation, op, x)
+
+    def run(x, w, labels, axes):
+        x2, lead = B.rows(x)
+        lab = _valid_labels(labels.reshape(-1), V, ignore_index)
+        rows = _lce(x2, w, lab, _Cfg(eps, cap, bool(transpose_w), V, axes, impl))
+        return rows.T.reshape(lead + (2,))
+
+    # "v": the vocabulary may stay sharded (vocab-parallel: the op combines the shards
+    # itself); the token dims "..." may be sharded (data-parallel); D is gathered if sharded.
+    sig = "...D,vD,...->...K" if transpose_w else "...D,Dv,...->...K"
+    rows = S.partitioned(sig, run, x.astype(dtype), w.astype(dtype), labels, axes_of="v")
+    # Per-token [...] vectors from here on (no reshape: they may be sharded over the tokens).
+    loss, lse = rows[..., 0], rows[..., 1]
+    valid = _valid_labels(labels, V, ignore_index) >= 0
     zterm = jnp.where(valid, z * lse * lse, 0.0) if z else jnp.zeros_like(lse)
     loss = loss + zterm
-    wts = None if weights is None else weights.reshape(-1).astype(loss.dtype)
+    wts = None if weights is None else weights.astype(loss.dtype)
     if wts is not None:
         loss = loss * wts
     if reduction == "none":
-        out = loss.reshape(lead)
+        out = loss
     else:
         out = jnp.sum(loss)
         if reduction == "mean":
@@ -371,5 +396,5 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
             out = out / jnp.where(den == 0, 1.0, den)
     out = out.astype(dtype)
     if return_aux:
-        return out, {"lse": lse.reshape(lead), "z_loss": zterm.reshape(lead)}
+        return out, {"lse": lse, "z_loss": zterm}
     return out
