@@ -49,7 +49,14 @@ def head_losses(impl):
     def fused(x, w, y):
         return jaxbwd.linear_cross_entropy(x, w, y, implementation=impl)
 
-    return {"plain jnp/optax": plain, "matmul+cross_entropy": unfused, "linear_cross_entropy": fused}
+    losses = {"plain jnp/optax": plain, "matmul+cross_entropy": unfused, "linear_cross_entropy": fused}
+    try:  # tokamax's chunked XLA formulation, for comparison when it is installed
+        import tokamax
+    except ImportError:
+        return losses
+    losses["tokamax chunked_xla"] = lambda x, w, y: tokamax.linear_softmax_cross_entropy_loss(
+        x, y, w, reduction="mean", implementation="chunked_xla")
+    return losses
 
 
 def head_temp_bytes(fn, V: int, T: int = HEAD_T, D: int = HEAD_D) -> int:
@@ -142,6 +149,8 @@ def main(argv=None) -> int:
         print("  " + " | ".join(["V".rjust(7)] + [n.rjust(20) for n in names]))
         for V, row in table["head"].items():
             print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in names]))
+        if "tokamax chunked_xla" not in names:
+            print("  (tokamax is not installed: its chunked XLA formulation is not compared)")
         print(f"train step ({HEAD_MODEL.n_layers} layers, V={HEAD_MODEL.vocab}): "
               + ", ".join(f"{n} {v:.0f} MiB" for n, v in table["train_step"].items()))
     if not args.skip_timing:

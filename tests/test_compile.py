@@ -33,7 +33,8 @@ KNOWN_SPILLS = {
     ("upsample2d_bwd", "float32", "a100"): 8,
 }
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
-EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "cross_entropy_fwd", "cross_entropy_bwd"}
+EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "cross_entropy_fwd", "cross_entropy_bwd",
+             "linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"}
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
 GPUS = ("h200", "a100")
 MISSING = deviceless.missing_requirements()
@@ -147,6 +148,6 @@ def test_kernels_compile_for_gpus(op, jobs):
             assert r["spill_stores"] == 0, f"{where}: {r['spill_stores']} spill stores"
         if r["kernel"] in EXP2_ONLY:
             assert r["expf"] == 0 and r["ex2"] > 0, f"{where}: {r['expf']} libdevice expf sequences"
-        if op in ("dot_product_attention", "conv2d"):  # bf16, and f32 through TF32
+        if op in ("dot_product_attention", "conv2d", "linear_cross_entropy"):  # bf16, and f32 through TF32
             want = TENSOR_CORE[r["gpu"]]
             assert r["tensor_core"] == want, f"{where}: dots compile to {r['tensor_core']}, want {want}"

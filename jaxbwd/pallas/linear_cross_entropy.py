@@ -86,22 +86,30 @@ def block_sizes(block_t: int, block_v: int, block_d: int):
 
 
 def _blocks(d: Dims, dtype):
-    """(block_t, block_v, block_d, num_warps).
+    """(block_t, block_v, block_d, num_warps), chosen from the compiled SASS
+    (``python -m jaxbwd compile``, 2026-12-01; registers without spills at every registry shape).
 
-    64 x 128 logit tiles from 64-wide D chunks: the f32 logit tile is 64 registers per
-    thread over 4 warps (one Hopper warpgroup: wgmma wants M = 64 per warpgroup), and the
-    per-chunk operands [64, 64] and [64, 128] stay small enough to double-buffer.
-    f32 operands take half the D chunk (twice the bytes per element).
+    Logit tiles of 64 tokens: one Hopper warpgroup (4 warps) runs wgmma with M = 64, the M a
+    warpgroup owns; a second warpgroup would compute the same rows again (wgmma splits M
+    between warpgroups only from M = 128). 16-bit operands on sm_90: 64 x 128 tiles from
+    64-wide D chunks, 240-255 registers, no spills. f32 operands there take 64 x 64 tiles from
+    32-wide D chunks (64 x 128 spilled 8 bytes per thread at two shapes). On sm_80 (mma.sync
+    is per warp, nothing is duplicated) 8 warps spread the 64 x 128 tile over twice the
+    registers: 4 warps spilled up to 200 bytes per thread in the forward.
     """
     over = _BLOCKS.get()
     if over is not None:
         bt, bv, bd = over
+        return bt, bv, bd, 4
+    wide = jnp.dtype(dtype).itemsize > 2
+    if C.sm_version() >= 90:
+        bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 64, 4)
     else:
-        bt, bv, bd = 64, 128, 64 if jnp.dtype(dtype).itemsize <= 2 else 32
-        bt = min(bt, max(16, C.next_pow2(d.R)))
-        bv = min(bv, max(16, C.next_pow2(d.V)))
-        bd = min(bd, max(16, C.next_pow2(d.D)))
-    return bt, bv, bd, 4
+        bt, bv, bd, nw = 64, 128, 64, 8
+    bt = min(bt, max(16, C.next_pow2(d.R)))
+    bv = min(bv, max(16, C.next_pow2(d.V)))
+    bd = min(bd, max(16, C.next_pow2(d.D)))
+    return bt, bv, bd, nw
 
 
 def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
