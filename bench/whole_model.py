@@ -68,6 +68,27 @@ def head_temp_bytes(fn, V: int, T: int = HEAD_T, D: int = HEAD_D) -> int:
     return int(jax.jit(step).lower(x, w, y).compile().memory_analysis().temp_size_in_bytes)
 
 
+def head_temp_bytes_gpu(fn, V: int, gpu: str = "h200", T: int = HEAD_T, D: int = HEAD_D) -> int:
+    """As :func:`head_temp_bytes`, compiled for ``gpu`` by XLA's deviceless GPU compiler
+    (``jaxbwd.deviceless``, the ``[compile]`` extra) with the Pallas kernels: no GPU is used."""
+    import warnings
+
+    from jaxbwd import config, deviceless
+    from jaxbwd.pallas import _common
+
+    target = deviceless.GPUS[gpu]
+    mesh = jax.sharding.Mesh([deviceless._device(target)], ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((T,), jnp.int32)
+    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), in_shardings=sharding)
+        return int(step.trace(x, w, y).lower().compile().memory_analysis().temp_size_in_bytes)
+
+
 def head_ops(impl):
     """The train_lm model's building blocks three ways, differing in the head's loss only for
     the two jaxbwd variants: plain flax/jnp, jaxbwd with attend + cross_entropy, jaxbwd fused."""
@@ -129,6 +150,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--skip-timing", action="store_true",
                    help="report compiled temporary memory only, without timing the train steps")
+    p.add_argument("--head-memory-gpu", metavar="GPU",
+                   help="also compile the head comparison's Pallas path for GPU (e.g. h200) without a GPU "
+                        "(needs the [compile] extra)")
     p.add_argument("--head-memory", action="store_true",
                    help=f"also compare the LM head's loss three ways (T={HEAD_T}, D={HEAD_D}, "
                         f"V={' and '.join(map(str, HEAD_VOCABS))}, bf16): compiled temp memory only")
@@ -151,6 +175,13 @@ def main(argv=None) -> int:
             print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in names]))
         if "tokamax chunked_xla" not in names:
             print("  (tokamax is not installed: its chunked XLA formulation is not compared)")
+        if args.head_memory_gpu:
+            fns = {n: f for n, f in head_losses("pallas").items() if not n.startswith("tokamax")}
+            gpu = table["head_gpu"] = {V: {n: head_temp_bytes_gpu(f, V, args.head_memory_gpu) / 2**20
+                                           for n, f in fns.items()} for V in HEAD_VOCABS}
+            print(f"  the same compiled for {args.head_memory_gpu} (Pallas kernels), MiB:")
+            for V, row in gpu.items():
+                print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in fns]))
         print(f"train step ({HEAD_MODEL.n_layers} layers, V={HEAD_MODEL.vocab}): "
               + ", ".join(f"{n} {v:.0f} MiB" for n, v in table["train_step"].items()))
     if not args.skip_timing:

@@ -127,6 +127,14 @@ def test_vocabulary_splits_are_combined():
         _check(dict(label_smoothing=0.1, reduction="none"), "pallas", R=5, D=16, V=300)
 
 
+@pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
+def test_dw_programs_walk_several_vocabulary_blocks(transpose_w):
+    """The dw kernel's persistent grid: 2 programs over 5 vocabulary blocks (3 and 2 each),
+    each reusing its f32 accumulator slab from block to block."""
+    with K.block_sizes(16, 16, 16, dw_programs=2):
+        _check(dict(label_smoothing=0.1, logit_softcap=4.0), "pallas", transpose_w=transpose_w, V=80)
+
+
 @pytest.mark.parametrize("impl", ("xla", "pallas"))
 def test_large_logits_stay_exact(impl):
     """Logits near 1e4: the loss keeps f32 precision (the large terms cancel before log(s))."""

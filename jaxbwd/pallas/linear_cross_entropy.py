@@ -27,8 +27,11 @@ Backward, with per-token f32 cotangents ``g`` (of the loss, 0 on ignored tokens)
   it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of an f32 dx,
   one D chunk at a time (the [block_t, D] accumulator does not fit in registers, so it
   lives in the program's own rows of global memory: read, add, write, in a fixed order).
-- ``linear_cross_entropy_bwd_dw``: one program per vocabulary block; for each token block
-  it recomputes the logit tile and adds ``x_blk^T @ dz`` to its own columns of an f32 dw.
+- ``linear_cross_entropy_bwd_dw``: a persistent grid of one program per SM, each walking
+  vocabulary blocks g, g + G, ...; for each token block it recomputes the logit tile and
+  adds ``x_blk^T @ dz`` to its own f32 [D, block_v] slab, which it writes to dw in w's dtype
+  when the block is done. The f32 accumulators take G * D * block_v * 4 bytes (138 MB at
+  D = 2048 on 132 SMs) instead of an f32 copy of dw (1 GB at D = 2048, V = 128256).
 
 No atomics: every output element has one writer and a fixed summation order, so the
 gradients are bitwise reproducible. The backward costs two logit recomputations
@@ -75,10 +78,11 @@ _BLOCKS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("jaxbw
 
 
 @contextlib.contextmanager
-def block_sizes(block_t: int, block_v: int, block_d: int):
-    """Overrides the kernels' (power-of-two) block sizes while tracing; for tests of tails
-    and multi-block loops at small shapes. Blocks under 16 only work in interpret mode."""
-    token = _BLOCKS.set((int(block_t), int(block_v), int(block_d)))
+def block_sizes(block_t: int, block_v: int, block_d: int, dw_programs: Optional[int] = None):
+    """Overrides the kernels' (power-of-two) block sizes, and the dw kernel's number of
+    programs, while tracing; for tests of tails and multi-block loops at small shapes.
+    Blocks under 16 only work in interpret mode."""
+    token = _BLOCKS.set((int(block_t), int(block_v), int(block_d), dw_programs))
     try:
         yield
     finally:
@@ -99,8 +103,7 @@ def _blocks(d: Dims, dtype):
     """
     over = _BLOCKS.get()
     if over is not None:
-        bt, bv, bd = over
-        return bt, bv, bd, 4
+        return over[0], over[1], over[2], 4
     wide = jnp.dtype(dtype).itemsize > 2
     if C.sm_version() >= 90:
         bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 64, 4)
@@ -278,43 +281,75 @@ def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d:
     lax.fori_loop(1, C.cdiv(d.V, bv), rest, 0)
 
 
-def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *, d: Dims, bt: int, bv: int, bd: int):
-    j = pl.program_id(0)
-    cols = j * bv + jnp.arange(bv)
-    cmask = cols < d.V
+def _dw_programs(d: Dims, bv: int) -> int:
+    """Programs of the dw kernel's persistent grid: one per SM (its ~250 registers per
+    thread allow one block per SM), each walking vocabulary blocks g, g + G, ..."""
+    over = _BLOCKS.get()
+    n = over[3] if over is not None and over[3] else C.GPU_NUM_CORES
+    return max(1, min(C.cdiv(d.V, bv), n))
 
-    def step(i, first: bool):
-        rows = i * bt + jnp.arange(bt)
-        rmask = rows < d.R
-        terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
-        dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
 
-        def chunk(k, carry):
-            dc = k * bd + jnp.arange(bd)
-            dmask = dc < d.D
-            xt = _x_tile(x_ref, rows, rmask, dc, dmask)
-            if d.transpose_w:  # [bv, bd] rows of the table
-                contrib = C.dot(dz, xt, trans_a=True)
-                idx, mask = (cols[:, None], dc[None, :]), cmask[:, None] & dmask[None, :]
-            else:  # [bd, bv] columns of the kernel
-                contrib = C.dot(xt, dz, trans_a=True)
-                idx, mask = (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :]
-            _accumulate(dw_ref, idx, mask, contrib, first)
+def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_ref, *, d: Dims, bt: int, bv: int,
+               bd: int, G: int):
+    g = pl.program_id(0)
+    lc = jnp.arange(bv)
+    nd = C.cdiv(d.D, bd)
+
+    def acc_index(dc, dmask):
+        """The program's own f32 accumulator tile: [bd, bv] of its [D, bv] slab (Dense
+        layout) or [bv, bd] of its [bv, D] slab (table layout)."""
+        if d.transpose_w:
+            return (g * bv + lc[:, None], dc[None, :]), jnp.ones((bv, 1), bool) & dmask[None, :]
+        return (g * d.D + dc[:, None], lc[None, :]), dmask[:, None] & jnp.ones((1, bv), bool)
+
+    def vocab_block(it, carry):
+        cols = (g + it * G) * bv + lc
+        cmask = cols < d.V
+
+        def step(i, first: bool):
+            rows = i * bt + jnp.arange(bt)
+            rmask = rows < d.R
+            terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
+            dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
+
+            def chunk(k, carry):
+                dc = k * bd + jnp.arange(bd)
+                dmask = dc < d.D
+                xt = _x_tile(x_ref, rows, rmask, dc, dmask)
+                # [bv, bd] rows of the table, or [bd, bv] columns of the kernel
+                contrib = C.dot(dz, xt, trans_a=True) if d.transpose_w else C.dot(xt, dz, trans_a=True)
+                _accumulate(acc_ref, *acc_index(dc, dmask), contrib, first)
+                return carry
+
+            lax.fori_loop(0, nd, chunk, 0)
+
+        step(0, True)
+
+        def rest(i, carry):
+            step(i, False)
             return carry
 
-        lax.fori_loop(0, C.cdiv(d.D, bd), chunk, 0)
+        lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
 
-    step(0, True)
+        def write(k, carry):  # the finished block, in w's dtype
+            dc = k * bd + jnp.arange(bd)
+            dmask = dc < d.D
+            idx, mask = acc_index(dc, dmask)
+            tile = C.load(acc_ref, idx, mask)
+            if d.transpose_w:
+                C.store(dw_ref, (cols[:, None], dc[None, :]), tile, cmask[:, None] & dmask[None, :])
+            else:
+                C.store(dw_ref, (dc[:, None], cols[None, :]), tile, dmask[:, None] & cmask[None, :])
+            return carry
 
-    def rest(i, carry):
-        step(i, False)
+        lax.fori_loop(0, nd, write, 0)
         return carry
 
-    lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
+    lax.fori_loop(0, lax.div(C.cdiv(d.V, bv) - g + (G - 1), G), vocab_block, 0)
 
 
 def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: bool = False):
-    """dx [R, D] and dw (w's shape) in float32 from the saved per-token ``m`` and
+    """dx [R, D] float32 and dw (w's shape and dtype) from the saved per-token ``m`` and
     ``s = sum(exp(z - m))`` ([R] f32, over the whole vocabulary) and the per-token f32
     cotangents ``g`` (of the loss; 0 on ignored tokens) and ``gl`` (of the lse).
 
@@ -329,9 +364,11 @@ def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: b
         grid=(C.cdiv(d.R, bt),), out_shape=jax.ShapeDtypeStruct((d.R, d.D), jnp.float32),
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.R, bt) * C.nbytes(w) + 8 * d.R * d.D * C.cdiv(d.V, bv), **common,
     )(*args)
-    dw = C.call(
-        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dw",
-        grid=(C.cdiv(d.V, bv),), out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
+    G = _dw_programs(d, bv)
+    acc = (G * bv, d.D) if d.transpose_w else (G * d.D, bv)
+    dw, _ = C.call(
+        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd, G=G), name="linear_cross_entropy_bwd_dw",
+        grid=(G,), out_shape=(jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(acc, jnp.float32)),
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
     )(*args)
     return dx, dw
