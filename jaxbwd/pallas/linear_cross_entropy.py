@@ -97,7 +97,9 @@ def _blocks(d: Dims, dtype):
     warpgroup owns; a second warpgroup would compute the same rows again (wgmma splits M
     between warpgroups only from M = 128). 16-bit operands on sm_90: 64 x 128 tiles from
     64-wide D chunks, 240-255 registers, no spills. f32 operands there take 64 x 64 tiles from
-    32-wide D chunks (64 x 128 spilled 8 bytes per thread at two shapes). On sm_80 (mma.sync
+    32-wide D chunks (64 x 128 spilled 8 bytes per thread at two shapes); the table layout
+    (``transpose_w``) takes 32-wide D chunks too (its dw's [128, 64] tiles spilled 56 bytes).
+    On sm_80 (mma.sync
     is per warp, nothing is duplicated) 8 warps spread the 64 x 128 tile over twice the
     registers: 4 warps spilled up to 200 bytes per thread in the forward.
     """
@@ -106,7 +108,7 @@ def _blocks(d: Dims, dtype):
         return over[0], over[1], over[2], 4
     wide = jnp.dtype(dtype).itemsize > 2
     if C.sm_version() >= 90:
-        bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 64, 4)
+        bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 32 if d.transpose_w else 64, 4)
     else:
         bt, bv, bd, nw = 64, 128, 64, 8
     bt = min(bt, max(16, C.next_pow2(d.R)))
