@@ -31,6 +31,83 @@ TIMED = lm.Config(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, mlp_hidden=7
                   batch_size=4, vocab=32000)
 
 
+# The LM-head memory comparison: T tokens of width D against a vocabulary of V, bf16.
+HEAD_T, HEAD_D, HEAD_VOCABS = 8192, 2048, (128256, 32000)
+HEAD_MODEL = lm.Config(d_model=HEAD_D, n_layers=2, n_heads=16, n_kv_heads=8, mlp_hidden=5632, seq_len=HEAD_T,
+                       batch_size=1, vocab=HEAD_VOCABS[0])
+
+
+def head_losses(impl):
+    """The loss of an LM head three ways: ``f(x [T, D], w [D, V], labels [T]) -> mean loss``."""
+    def plain(x, w, y):  # jnp + optax: XLA autodiff
+        logits = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def unfused(x, w, y):
+        return jaxbwd.cross_entropy(jaxbwd.matmul(x, w), y, implementation=impl)
+
+    def fused(x, w, y):
+        return jaxbwd.linear_cross_entropy(x, w, y, implementation=impl)
+
+    losses = {"plain jnp/optax": plain, "matmul+cross_entropy": unfused, "linear_cross_entropy": fused}
+    try:  # tokamax's chunked XLA formulation, for comparison when it is installed
+        import tokamax
+    except ImportError:
+        return losses
+    losses["tokamax chunked_xla"] = lambda x, w, y: tokamax.linear_softmax_cross_entropy_loss(
+        x, y, w, reduction="mean", implementation="chunked_xla")
+    return losses
+
+
+def head_temp_bytes(fn, V: int, T: int = HEAD_T, D: int = HEAD_D) -> int:
+    """Compiled temp memory of ``value_and_grad`` of ``fn`` w.r.t. x and w (bf16), nothing run."""
+    x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((T,), jnp.int32)
+    step = jax.value_and_grad(fn, argnums=(0, 1))
+    return int(jax.jit(step).lower(x, w, y).compile().memory_analysis().temp_size_in_bytes)
+
+
+def head_temp_bytes_gpu(fn, V: int, gpu: str = "h200", T: int = HEAD_T, D: int = HEAD_D) -> int:
+    """As :func:`head_temp_bytes`, compiled for ``gpu`` by XLA's deviceless GPU compiler
+    (``jaxbwd.deviceless``, the ``[compile]`` extra) with the Pallas kernels: no GPU is used."""
+    import warnings
+
+    from jaxbwd import config, deviceless
+    from jaxbwd.pallas import _common
+
+    target = deviceless.GPUS[gpu]
+    mesh = jax.sharding.Mesh([deviceless._device(target)], ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((T,), jnp.int32)
+    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), in_shardings=sharding)
+        return int(step.trace(x, w, y).lower().compile().memory_analysis().temp_size_in_bytes)
+
+
+def head_ops(impl):
+    """The train_lm model's building blocks three ways, differing in the head's loss only for
+    the two jaxbwd variants: plain flax/jnp, jaxbwd with attend + cross_entropy, jaxbwd fused."""
+    ours = lm.jaxbwd_ops(impl)
+    unfused = ours._replace(head_loss=lambda embed, h, y: jaxbwd.cross_entropy(embed.attend(h), y, implementation=impl))
+    return {"plain jnp/optax": lm.plain_ops(), "matmul+cross_entropy": unfused, "linear_cross_entropy": ours}
+
+
+def head_memory_table(impl) -> dict:
+    """MiB of compiled temp memory: loss+head fwd+bwd at each vocabulary, and one train step of
+    HEAD_MODEL (vocab HEAD_VOCABS[0]), per variant."""
+    out = {"T": HEAD_T, "D": HEAD_D, "head": {}, "train_step": {}, "model": dataclasses.asdict(HEAD_MODEL)}
+    for V in HEAD_VOCABS:
+        out["head"][V] = {name: head_temp_bytes(fn, V) / 2**20 for name, fn in head_losses(impl).items()}
+    for name, ops in head_ops(impl).items():
+        out["train_step"][name] = temp_bytes(HEAD_MODEL, ops) / 2**20
+    return out
+
+
 def make_step(cfg, ops):
     model = lm.LM(cfg, ops)
     loss_fn = lm.make_loss(model)
@@ -73,6 +150,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--skip-timing", action="store_true",
                    help="report compiled temporary memory only, without timing the train steps")
+    p.add_argument("--head-memory-gpu", metavar="GPU",
+                   help="also compile the head comparison's Pallas path for GPU (e.g. h200) without a GPU "
+                        "(needs the [compile] extra)")
+    p.add_argument("--head-memory", action="store_true",
+                   help=f"also compare the LM head's loss three ways (T={HEAD_T}, D={HEAD_D}, "
+                        f"V={' and '.join(map(str, HEAD_VOCABS))}, bf16): compiled temp memory only")
     args = p.parse_args(argv)
     impl = jaxbwd.config.default_implementation()
     ours, plain = lm.jaxbwd_ops(impl), lm.plain_ops()
@@ -83,6 +166,24 @@ def main(argv=None) -> int:
     print(f"large config (T={LARGE.seq_len}, V={LARGE.vocab}, D={LARGE.d_model}, {LARGE.n_layers} layers): "
           f"train-step temp memory jaxbwd {report['temp_mib_jaxbwd']:.0f} MiB vs plain {report['temp_mib_plain']:.0f} MiB "
           f"({report['temp_mib_plain'] / report['temp_mib_jaxbwd']:.2f}x)")
+    if args.head_memory:
+        table = report["head_memory_mib"] = head_memory_table(impl)
+        print(f"LM head loss, value and grad (T={HEAD_T}, D={HEAD_D}, bf16), compiled temp memory in MiB:")
+        names = list(head_losses(impl))
+        print("  " + " | ".join(["V".rjust(7)] + [n.rjust(20) for n in names]))
+        for V, row in table["head"].items():
+            print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in names]))
+        if "tokamax chunked_xla" not in names:
+            print("  (tokamax is not installed: its chunked XLA formulation is not compared)")
+        if args.head_memory_gpu:
+            fns = {n: f for n, f in head_losses("pallas").items() if not n.startswith("tokamax")}
+            gpu = table["head_gpu"] = {V: {n: head_temp_bytes_gpu(f, V, args.head_memory_gpu) / 2**20
+                                           for n, f in fns.items()} for V in HEAD_VOCABS}
+            print(f"  the same compiled for {args.head_memory_gpu} (Pallas kernels), MiB:")
+            for V, row in gpu.items():
+                print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in fns]))
+        print(f"train step ({HEAD_MODEL.n_layers} layers, V={HEAD_MODEL.vocab}): "
+              + ", ".join(f"{n} {v:.0f} MiB" for n, v in table["train_step"].items()))
     if not args.skip_timing:
         report["step_ms_jaxbwd"] = step_time(TIMED, ours) * 1e3
         report["step_ms_plain"] = step_time(TIMED, plain) * 1e3

@@ -2,8 +2,9 @@
 
 The model: byte embedding, N blocks of [RMSNorm -> GQA causal attention with RoPE ->
 residual add -> RMSNorm -> SwiGLU MLP -> residual add], a final RMSNorm and a tied output
-projection, trained with cross_entropy and optax AdamW (linear warmup + cosine decay) in
-one jitted step. Default corpus: the Python standard library's own source files, found
+projection, trained with optax AdamW (linear warmup + cosine decay) in one jitted step.
+The loss of the tied head is ``linear_cross_entropy`` (``Embed.attend_cross_entropy``):
+the [batch, seq, vocab] logits are never stored, in the forward or the backward. Default corpus: the Python standard library's own source files, found
 through ``sysconfig`` (present on every Python install, no download); ``--data PATH``
 trains on any text file. The last 5% of the corpus is held out for evaluation.
 
@@ -17,7 +18,7 @@ against the unigram baseline and a generated sample.
 
 ``--mesh``: data parallel over ``data`` and Megatron-style tensor parallel over ``model``
 (query/key/value/gate/up column-parallel, out/down row-parallel, the tied embedding
-vocab-parallel, so the logits and the cross-entropy stay sharded over the vocabulary) on
+vocab-parallel, so the fused head and its loss run per vocabulary shard) on
 an explicit-sharding mesh (``jax.set_mesh``; ``--axis-type auto`` for Auto axes, where
 XLA propagates the shardings); jaxbwd's ops run per shard. On CPU the devices are
 simulated (``jax_num_cpu_devices``).
@@ -136,7 +137,8 @@ class Ops(NamedTuple):
     rope: Callable
     swiglu: Callable
     add: Callable
-    cross_entropy: Callable
+    # head_loss(embed, h, labels): the mean cross-entropy of the tied head embed.attend(h)
+    head_loss: Callable
 
 
 def jaxbwd_ops(implementation: Optional[str]) -> Ops:
@@ -149,7 +151,7 @@ def jaxbwd_ops(implementation: Optional[str]) -> Ops:
         rope=lambda x: jaxbwd.rope(x, **impl),
         swiglu=lambda g, u: jaxbwd.swiglu(g, u, **impl),
         add=lambda a, b: jaxbwd.residual_add(a, b, **impl),
-        cross_entropy=lambda logits, labels: jaxbwd.cross_entropy(logits, labels, **impl),
+        head_loss=lambda embed, h, labels: embed.attend_cross_entropy(h, labels),
     )
 
 
@@ -159,7 +161,7 @@ def plain_ops() -> Ops:
         RMSNorm=fnn.RMSNorm, Dense=fnn.Dense, Embed=fnn.Embed,
         attention=lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True),
         rope=reference.rope, swiglu=reference.swiglu, add=jnp.add,
-        cross_entropy=reference.cross_entropy,
+        head_loss=lambda embed, h, labels: reference.cross_entropy(embed.attend(h), labels),
     )
 
 
@@ -188,17 +190,19 @@ class LM(fnn.Module):
     ops: Ops
 
     @fnn.compact
-    def __call__(self, ids):
+    def __call__(self, ids, labels=None):
+        """The logits [B, T, vocab]; with ``labels`` [B, T] the mean loss instead (no logits)."""
         embed = self.ops.Embed(self.cfg.vocab, self.cfg.d_model, name="embed")
         x = embed(ids)
         for i in range(self.cfg.n_layers):
             x = Block(self.cfg, self.ops, name=f"block_{i}")(x)
-        return embed.attend(self.ops.RMSNorm(name="final_norm")(x))
+        h = self.ops.RMSNorm(name="final_norm")(x)
+        return embed.attend(h) if labels is None else self.ops.head_loss(embed, h, labels)
 
 
 def make_loss(model: LM):
     def loss_fn(params, x, y):
-        return model.ops.cross_entropy(model.apply({"params": params}, x), y)
+        return model.apply({"params": params}, x, y)
 
     return loss_fn
 

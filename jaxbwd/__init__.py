@@ -15,6 +15,7 @@ from jaxbwd.vjp.attention import dot_product_attention
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.group_norm import group_norm
 from jaxbwd.vjp.losses import cross_entropy
+from jaxbwd.vjp.linear_cross_entropy import linear_cross_entropy
 from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.regression import mse_loss
 from jaxbwd.vjp.batch_norm import batch_norm
@@ -31,7 +32,7 @@ __all__ = [
     "config", "define_op", "define_elementwise",
     "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
-    "dot_product_attention", "embed", "rope", "cross_entropy",
+    "dot_product_attention", "embed", "rope", "cross_entropy", "linear_cross_entropy",
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",

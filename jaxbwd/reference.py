@@ -199,6 +199,37 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     return total.astype(logits.dtype)
 
 
+def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=None,
+                         weights=None, reduction="mean", return_aux=False, transpose_w=False):
+    """Reference fused LM head + loss: the f32 logits ``x @ w`` (``x @ w.T`` with
+    ``transpose_w``), soft-capped ``c * tanh(z / c)``, then :func:`cross_entropy` per token;
+    per-token ``weights`` multiply each loss, "mean" divides by the weights' sum over
+    non-ignored tokens (their count without weights; 0 if it is 0)."""
+    dtype = jnp.result_type(x, w)
+    wf = _f32(w).T if transpose_w else _f32(w)
+    z = jnp.matmul(_f32(x), wf, precision=jax.lax.Precision.HIGHEST)
+    if logit_softcap is not None:
+        z = logit_softcap * jnp.tanh(z / logit_softcap)
+    V = z.shape[-1]
+    valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
+    loss = cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                         reduction="none")
+    lse = jax.nn.logsumexp(z, axis=-1)
+    wts = jnp.ones_like(loss) if weights is None else _f32(weights)
+    loss = loss * wts
+    if reduction == "none":
+        out = loss
+    else:
+        out = jnp.sum(loss)
+        if reduction == "mean":
+            den = jnp.sum(jnp.where(valid, wts, 0.0))
+            out = out / jnp.where(den == 0, 1.0, den)
+    out = out.astype(dtype)
+    if return_aux:
+        return out, {"lse": lse, "z_loss": jnp.where(valid, z_loss * lse * lse, 0.0)}
+    return out
+
+
 def embed(ids, table, *, padding_idx=None):
     """Reference embedding lookup ``table[ids]``; out-of-range ids give zero rows, and the
     ``padding_idx`` row gets no gradient (its forward value is the table's row)."""

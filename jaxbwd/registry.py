@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxbwd import reference as ref
 from jaxbwd.vjp import activations, linear, norms, shape
 from jaxbwd.vjp import embedding, losses, rope
+from jaxbwd.vjp import linear_cross_entropy as lce
 from jaxbwd.vjp import attention
 from jaxbwd.vjp import group_norm as group_norm_ops, vision
 from jaxbwd.vjp import regression
@@ -800,6 +801,71 @@ _SPECS += [
         residual_budget=lambda x, size, **_: 4 * (x.shape[1] + x.shape[2]) * 8,
     ),
 ]
+
+def _lce_example(name, lead, D, V, transpose_w=False, weights=False, **kw):
+    """x [*lead, D], w [D, V] (or [V, D]), labels with an ignored and an out-of-range token."""
+    def make(k, dt):
+        kx, kw_, kl, kwt = jax.random.split(k, 4)
+        x = _normal(kx, lead + (D,), dt)
+        w = (D ** -0.5 * 3.0 * _normal(kw_, (V, D) if transpose_w else (D, V), jnp.float32)).astype(dt)
+        labels = jax.random.randint(kl, lead, 0, V).reshape(-1).at[1].set(-100).at[-1].set(V).reshape(lead)
+        extra = {"weights": jax.random.uniform(kwt, lead, jnp.float32, 0.0, 2.0)} if weights else {}
+        return (x, w, labels), dict(kw, transpose_w=transpose_w, **extra)
+
+    return Example(name, make, (0,))
+
+
+def _lce_lowering(T, D, V, dt, **kw):
+    transpose_w = kw.get("transpose_w", False)
+    return Example(f"{T}x{D}@{V}-{dt}" + ("-tied" if transpose_w else ""), lambda k, d: (
+        (_sds((T, D), dt), _sds((V, D) if transpose_w else (D, V), dt), _sds((T,), "int32")), dict(kw)))
+
+
+_SPECS.append(OpSpec(
+    name="linear_cross_entropy", family="losses", fn=lce.linear_cross_entropy, reference=ref.linear_cross_entropy,
+    diff_argnums=(0, 1),
+    static_params=("ignore_index", "label_smoothing", "z_loss", "logit_softcap", "weights", "reduction",
+                   "return_aux", "transpose_w"),
+    kernels=("linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"),
+    backward="Pallas: fwd lse over (token block, vocab split) tiles; dx kernel over token blocks, dw kernel over "
+             "vocab blocks (one program per SM), both recompute the logit tiles from x, w and the saved max/sum "
+             "(no [tokens, V] array)",
+    examples=(
+        _lce_example("6x24@24x37-mean", (6,), 24, 37),
+        _lce_example("2x3x32@32x50-smooth-z-cap-weights-sum", (2, 3), 32, 50, weights=True,
+                     label_smoothing=0.1, z_loss=1e-3, logit_softcap=3.0, reduction="sum"),
+        _lce_example("19x16@37x16-tied-weights-none", (19,), 16, 37, transpose_w=True, weights=True,
+                     reduction="none", z_loss=1e-2),
+    ),
+    lowering=(
+        _lce_lowering(8192, 2048, 128256, "bfloat16"),
+        _lce_lowering(8192, 4096, 32000, "bfloat16", transpose_w=True),
+        _lce_lowering(8192, 4096, 151936, "bfloat16", label_smoothing=0.1, z_loss=1e-4),
+        _lce_lowering(8192, 2048, 256000, "bfloat16", logit_softcap=30.0, reduction="sum"),
+        _lce_lowering(4093, 2048, 32000, "float32"),
+    ),
+    bad_inputs=(
+        BadInput("labels shape", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((3,), jnp.int32)), {}), ValueError, r"labels must have shape \(4,\).*got \(3,\)"),
+        BadInput("float labels", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,))), {}), TypeError, r"labels must have an integer dtype.*got float32"),
+        BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {}), TypeError, r"x must have a floating dtype.*got int32"),
+        BadInput("w inner dim", lambda: ((jnp.ones((4, 8)), jnp.ones((7, 5)), jnp.zeros((4,), jnp.int32)), {}), ValueError, r"w must have shape \[D=8, V\] to match x's last dim, got \(7, 5\)"),
+        BadInput("tied w inner dim", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"transpose_w": True}), ValueError, r"w must have shape \[V, D=8\] to match x's last dim, got \(8, 5\)"),
+        BadInput("w rank", lambda: ((jnp.ones((4, 8)), jnp.ones((8,)), jnp.zeros((4,), jnp.int32)), {}), ValueError, r"w must have rank 2"),
+        BadInput("reduction", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"reduction": "avg"}), ValueError, r"reduction must be one of 'mean', 'sum', 'none', got 'avg'"),
+        BadInput("label_smoothing", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"label_smoothing": 1.5}), ValueError, r"label_smoothing must be in \[0, 1\], got 1.5"),
+        BadInput("z_loss", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"z_loss": -1.0}), ValueError, r"z_loss must be >= 0, got -1.0"),
+        BadInput("logit_softcap", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"logit_softcap": 0.0}), ValueError, r"logit_softcap must be None or > 0, got 0.0"),
+        BadInput("weights shape", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"weights": jnp.ones((5,))}), ValueError, r"weights must have shape \(4,\).*got \(5,\)"),
+        BadInput("integer weights", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"weights": jnp.ones((4,), jnp.int32)}), TypeError, r"weights must have a floating dtype.*got int32"),
+        BadInput("ignore_index", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"ignore_index": 1.0}), TypeError, r"ignore_index must be a static Python int, got 1.0"),
+        BadInput("transpose_w", lambda: ((jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.zeros((4,), jnp.int32)), {"transpose_w": "yes"}), TypeError, r"transpose_w must be a bool, got 'yes'"),
+    ),
+    # Pallas: forward 2RDV, backward two logit recomputations (2 x 2RDV) and dx, dw (2 x 2RDV).
+    flops=lambda x, w, labels, **_: 10.0 * x.size * (w.size // x.shape[-1]),
+    # x and w (aliases of live inputs), int32 labels and the f32 max and sum per token, plus
+    # [tokens] vectors of the weighting and reduction outside the primitive: O(tokens).
+    residual_budget=lambda x, w, labels, **_: _nbytes(x, w) + 32 * _rows(x),
+))
 
 REGISTRY: dict[str, OpSpec] = {}
 

@@ -38,7 +38,8 @@ KNOWN_SPILLS = {
     ("attention_jvp", "float32", "h200"): 24,
 }
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
-EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd"}
+EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd",
+             "linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"}
 # Kernels with no libdevice expf sequence at all (the scale pass of cross_entropy, group_norm).
 NO_EXPF = EXP2_ONLY | {"cross_entropy_bwd", "group_norm_bwd"}
 # Memory-bound ops: all of the case's kernels' operand+result bytes over the op's minimum
@@ -178,6 +179,6 @@ def test_kernels_compile_for_gpus(op, jobs):
         if r["kernel"] == "cross_entropy_fwd":
             ratio = r["io_bytes"] / r["op_min_bytes"]
             assert ratio <= CE_FWD_OVER_MIN, f"{where}: forward moves {ratio:.2f}x the op's two passes"
-        if op in ("dot_product_attention", "conv2d"):  # bf16, and f32 through TF32
+        if op in ("dot_product_attention", "conv2d", "linear_cross_entropy"):  # bf16, and f32 through TF32
             want = TENSOR_CORE[r["gpu"]]
             assert r["tensor_core"] == want, f"{where}: dots compile to {r['tensor_core']}, want {want}"

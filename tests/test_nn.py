@@ -108,3 +108,23 @@ def test_nnx_composite_modules_run_under_grad(impl):
         assert m(inp).shape == shape
         g = nnx.grad(lambda m, inp: jnp.sum(m(inp) ** 2), argnums=1)(m, inp)
         assert g.shape == inp.shape and bool(jnp.all(jnp.isfinite(g)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_embed_attend_cross_entropy_is_the_tied_head_loss(impl):
+    """Embed.attend_cross_entropy == cross_entropy(attend(query)): value and parameter/query grads."""
+    ours = jnn.Embed(37, 16, implementation=impl)
+    params = ours.init(jax.random.PRNGKey(1), jnp.array([1]))
+    q = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 16))
+    labels = jnp.array([[1, 36, 0, -100, 7], [3, 3, 9, 12, 30]])
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+
+    def fused(p, q):
+        return ours.apply(p, q, labels, method="attend_cross_entropy", **kw)
+
+    def unfused(p, q):
+        return jaxbwd.cross_entropy(ours.apply(p, q, method="attend"), labels, implementation=impl, **kw)
+
+    chex.assert_trees_all_close(fused(params, q), unfused(params, q), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(jax.grad(fused, (0, 1))(params, q), jax.grad(unfused, (0, 1))(params, q),
+                                atol=1e-5, rtol=1e-5)

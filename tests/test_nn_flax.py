@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
+import jaxbwd
 import jaxbwd.nn as jnn
 import jaxbwd.nn.nnx as jnnx
 
@@ -396,6 +397,9 @@ def test_nnx_embed_and_attend_match_flax(impl):
     q = _rand((2, 3), dtype=jnp.bfloat16)
     _nnx_case("Embed", (10, 3), {}, q, True, impl, call=lambda m, x: m.attend(x))
     assert ours.attend(q).dtype == jnp.float32
+    labels = jnp.array([9, -100])  # q holds 2 tokens of 3 features
+    fused = ours.attend_cross_entropy(q, labels, z_loss=1e-3)
+    chex.assert_trees_all_close(fused, jaxbwd.cross_entropy(ours.attend(q), labels, z_loss=1e-3), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- a model swapped whole

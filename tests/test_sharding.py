@@ -52,6 +52,10 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
          (r(8, 4, 64), labels), (rows, P(dp, None))),
         ("cross_entropy_vocab", lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.1, z_loss=1e-3),
          (r(8, 4, 64), labels), (P(None, None, dp), P())),
+        ("linear_cross_entropy", lambda x, w, y: jaxbwd.linear_cross_entropy(x, w, y, label_smoothing=0.1, z_loss=1e-3),
+         (x, 0.3 * r(32, 64), labels), (rows, P(), P(dp, None))),
+        ("linear_cross_entropy_vocab", lambda x, w, y: jaxbwd.linear_cross_entropy(
+            x, w, y, label_smoothing=0.1, z_loss=1e-3, logit_softcap=2.0), (x, 0.3 * r(32, 64), labels), (P(), P(None, dp), P())),
         ("rope", lambda x: jaxbwd.rope(x), (q,), (rows4,)),
         ("attention", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
          (q, kk, v), (rows4,) * 3),
@@ -82,6 +86,10 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
              (r(8, 4, 64).at[1, 2, 5].set(-jnp.inf), labels.at[3, 3].set(70)), (P("data", None, "model"), P("data", None)), True),
             ("cross_entropy_vocab_rows", lambda l, y: jaxbwd.cross_entropy(l, y, label_smoothing=0.2),
              (r(8, 4, 64), labels), (P("model", None, "data"), P("model", None)), True),
+            # a tied head: table [V, D] over "model" (vocab-parallel), tokens over "data"
+            ("linear_cross_entropy_vocab_tp", lambda x, t, y: jaxbwd.linear_cross_entropy(
+                x, t, y, transpose_w=True, reduction="none", z_loss=1e-3), (x, 0.3 * r(64, 32), labels.at[3, 3].set(70)),
+             (P("data", None, None), P("model", None), P("data", None)), True),
             ("embed_vocab_tp", lambda t, ids: jaxbwd.embed(ids, t), (r(64, 16), labels.at[0, 1].set(3)),
              (P("model", None), P("data", None)), True),
             ("matmul_column_parallel", lambda x, w: jaxbwd.matmul(x, w), (x, r(32, 16)), (P("data", None, None), P(None, "model")), True),

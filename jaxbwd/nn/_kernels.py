@@ -102,6 +102,12 @@ def attend(query, table, impl):
     return jaxbwd.matmul(query, table.T, implementation=impl)
 
 
+def attend_cross_entropy(query, table, labels, impl, kwargs):
+    """linear_cross_entropy of the tied head ``query @ table.T`` (the table read as [V, D],
+    no transposed copy, no logits stored)."""
+    return jaxbwd.linear_cross_entropy(query, table, labels, transpose_w=True, implementation=impl, **kwargs)
+
+
 def _tuple(v, n):
     if v is None:
         v = 1

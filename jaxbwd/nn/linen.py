@@ -125,6 +125,15 @@ class Embed(fnn.Embed):
             return super().attend(query)
         return K.attend(query, embedding, self.implementation)
 
+    def attend_cross_entropy(self, query, labels, **kwargs):
+        """The loss of the tied output projection, ``cross_entropy(attend(query), labels)``,
+        by :func:`jaxbwd.linear_cross_entropy` (the table read as [V, D]; the [..., V] logits
+        are never stored). ``kwargs``: its options (``ignore_index``, ``label_smoothing``,
+        ``z_loss``, ``logit_softcap``, ``weights``, ``reduction``, ``return_aux``).
+        query [..., features], labels int [...]; operands promoted as :meth:`attend`."""
+        query, embedding = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+        return K.attend_cross_entropy(query, embedding, labels, self.implementation, kwargs)
+
 
 class Dense(fnn.Dense):
     """``flax.linen.Dense`` (all its arguments); params ``kernel`` [in, features], ``bias``.

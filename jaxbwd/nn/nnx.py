@@ -123,6 +123,12 @@ class Embed(nnx.Embed, _Impl):
             return super().attend(query, out_sharding=out_sharding)
         return K.attend(query, embedding, self.implementation)
 
+    def attend_cross_entropy(self, query, labels, **kwargs):
+        """``cross_entropy(attend(query), labels)`` by :func:`jaxbwd.linear_cross_entropy`
+        without storing the logits; as :meth:`jaxbwd.nn.Embed.attend_cross_entropy`."""
+        query, embedding = self.promote_dtype((query, _value(self.embedding)), dtype=self.dtype)
+        return K.attend_cross_entropy(query, embedding, labels, self.implementation, kwargs)
+
 
 class GroupNorm(nnx.GroupNorm, _Impl):
     """``flax.nnx.GroupNorm`` (same constructor, ``num_groups``/``group_size`` positional too),

@@ -1,0 +1,376 @@
+"""Kernels of linear_cross_entropy: the LM head ``x @ w`` and its softmax cross-entropy
+fused, the [tokens, V] logits never written to memory.
+
+Every kernel builds logit tiles [block_t, block_v] from x [R, D] and w (the Dense layout
+[D, V], or an embedding table [V, D] read transposed) with tensor-core dots over D chunks of
+``block_d`` columns (f32 accumulation, ``_common.dot``), optionally soft-capped
+(``c * tanh(z / c)``, Gemma 2). This is the shape of Cut Cross-Entropy (Wijmans et al.,
+ICLR 2025), made deterministic by splitting the backward in two kernels that each own
+their outputs (as the attention backward splits dq and dk/dv):
+
+``linear_cross_entropy_fwd``: grid (token blocks, vocabulary splits). A program walks the
+vocabulary blocks of its split keeping, per token, the online max ``m`` and sum of
+exponentials ``s = sum(exp(z - m))`` (Milakov & Gimelshein 2018), the label's logit and,
+with label smoothing, ``sum(z) / V``. It writes these four f32 partials per (split,
+token); XLA combines the splits as vocab-parallel cross-entropy combines shards
+(Megatron-LM, Shoeybi et al. 2019). Splitting the vocabulary keeps the GPU full when there
+are few token blocks; the partials are O(tokens * splits).
+
+Backward, with per-token f32 cotangents ``g`` (of the loss, 0 on ignored tokens) and
+``gl`` (of the returned lse), and the softmax recomputed from the saved ``m`` and ``s``:
+
+    dz = (g + gl) * exp(z - m) / s - (1 - eps) * g * onehot(label) - eps / V * g
+
+(times ``1 - tanh^2`` under a softcap), cast to the operands' dtype for the tensor cores.
+
+- ``linear_cross_entropy_bwd_dx``: one program per token block; for each vocabulary block
+  it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of an f32 dx,
+  one D chunk at a time (the [block_t, D] accumulator does not fit in registers, so it
+  lives in the program's own rows of global memory: read, add, write, in a fixed order).
+- ``linear_cross_entropy_bwd_dw``: a persistent grid of one program per SM, each walking
+  vocabulary blocks g, g + G, ...; for each token block it recomputes the logit tile and
+  adds ``x_blk^T @ dz`` to its own f32 [D, block_v] slab, which it writes to dw in w's dtype
+  when the block is done. The f32 accumulators take G * D * block_v * 4 bytes (138 MB at
+  D = 2048 on 132 SMs) instead of an f32 copy of dw (1 GB at D = 2048, V = 128256).
+
+No atomics: every output element has one writer and a fixed summation order, so the
+gradients are bitwise reproducible. The backward costs two logit recomputations
+(2 x 2RDV flops) besides the 2 x 2RDV of the gradients themselves. Exponentials are
+``C.exp`` (exp2). Gradient filtering (skipping blocks whose softmax is below the output
+dtype's resolution, as CCE does) is not implemented: every block is computed.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxbwd.pallas import _common as C
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Static description of one problem (a hashable kernel parameter).
+
+    R tokens, D features, V vocabulary columns of this w (a shard's width under
+    vocab-parallel sharding), ``n_classes`` the whole vocabulary (for ``eps / V``).
+    """
+
+    R: int
+    D: int
+    V: int
+    n_classes: int
+    eps: float
+    softcap: Optional[float]
+    transpose_w: bool
+
+
+_BLOCKS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("jaxbwd_lce_blocks", default=None)
+
+
+@contextlib.contextmanager
+def block_sizes(block_t: int, block_v: int, block_d: int, dw_programs: Optional[int] = None):
+    """Overrides the kernels' (power-of-two) block sizes, and the dw kernel's number of
+    programs, while tracing; for tests of tails and multi-block loops at small shapes.
+    Blocks under 16 only work in interpret mode."""
+    token = _BLOCKS.set((int(block_t), int(block_v), int(block_d), dw_programs))
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)
+
+
+def _blocks(d: Dims, dtype):
+    """(block_t, block_v, block_d, num_warps), chosen from the compiled SASS
+    (``python -m jaxbwd compile``, 2026-12-01; registers without spills at every registry shape).
+
+    Logit tiles of 64 tokens: one Hopper warpgroup (4 warps) runs wgmma with M = 64, the M a
+    warpgroup owns; a second warpgroup would compute the same rows again (wgmma splits M
+    between warpgroups only from M = 128). 16-bit operands on sm_90: 64 x 128 tiles from
+    64-wide D chunks, 240-255 registers, no spills. f32 operands there take 64 x 64 tiles from
+    32-wide D chunks (64 x 128 spilled 8 bytes per thread at two shapes); the table layout
+    (``transpose_w``) takes 32-wide D chunks too (its dw's [128, 64] tiles spilled 56 bytes).
+    On sm_80 (mma.sync
+    is per warp, nothing is duplicated) 8 warps spread the 64 x 128 tile over twice the
+    registers: 4 warps spilled up to 200 bytes per thread in the forward.
+    """
+    over = _BLOCKS.get()
+    if over is not None:
+        return over[0], over[1], over[2], 4
+    wide = jnp.dtype(dtype).itemsize > 2
+    if C.sm_version() >= 90:
+        bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 32 if d.transpose_w else 64, 4)
+    else:
+        bt, bv, bd, nw = 64, 128, 64, 8
+    bt = min(bt, max(16, C.next_pow2(d.R)))
+    bv = min(bv, max(16, C.next_pow2(d.V)))
+    bd = min(bd, max(16, C.next_pow2(d.D)))
+    return bt, bv, bd, nw
+
+
+def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
+    """w's tile for D chunk ``dc`` and vocabulary columns ``cols``: [bd, bv] in the Dense
+    layout, [bv, bd] (rows of the table) with ``transpose_w``; out-of-bounds lanes 0."""
+    if d.transpose_w:
+        return C.load(w_ref, (cols[:, None], dc[None, :]), cmask[:, None] & dmask[None, :], dtype=w_ref.dtype)
+    return C.load(w_ref, (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :], dtype=w_ref.dtype)
+
+
+def _x_tile(x_ref, rows, rmask, dc, dmask):
+    return C.load(x_ref, (rows[:, None], dc[None, :]), rmask[:, None] & dmask[None, :], dtype=x_ref.dtype)
+
+
+def _logit_tile(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, bt: int, bv: int, bd: int):
+    """The f32 logit tile [bt, bv] (soft-capped) and, under a softcap, ``t = tanh(z / c)``."""
+
+    def body(k, acc):
+        dc = k * bd + jnp.arange(bd)
+        dmask = dc < d.D
+        xt = _x_tile(x_ref, rows, rmask, dc, dmask)
+        wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
+        return acc + C.dot(xt, wt, trans_b=d.transpose_w)
+
+    z = lax.fori_loop(0, C.cdiv(d.D, bd), body, jnp.zeros((bt, bv), jnp.float32))
+    if d.softcap is None:
+        return z, None
+    t = jnp.tanh(z * (1.0 / d.softcap))
+    return d.softcap * t, t
+
+
+# ---------------------------------------------------------------------------- forward
+def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims, bt: int, bv: int, bd: int,
+                per_split: int, with_sum: bool):
+    i, sp = pl.program_id(0), pl.program_id(1)
+    rows = i * bt + jnp.arange(bt)
+    rmask = rows < d.R
+    # Labels arrive validated: -1 marks an ignored token or a label on another shard.
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+    inv_n = 1.0 / d.n_classes
+
+    def body(j, carry):
+        m, s, xl, sx = carry
+        cols = j * bv + jnp.arange(bv)
+        cmask = cols < d.V
+        z, _ = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
+        z = jnp.where(cmask[None, :], z, NEG_INF)
+        m, s = C.online_lse_update(m, s, z)
+        xl = xl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], z, 0.0), axis=1)
+        if with_sum:
+            sx = sx + jnp.sum(jnp.where(cmask[None, :], z * inv_n, 0.0), axis=1)
+        return m, s, xl, sx
+
+    lo = sp * per_split
+    hi = jnp.minimum(lo + per_split, C.cdiv(d.V, bv))
+    zeros = jnp.zeros((bt,), jnp.float32)
+    m, s, xl, sx = lax.fori_loop(lo, hi, body, (jnp.full((bt,), NEG_INF, jnp.float32), zeros, zeros, zeros))
+    for ref, v in ((m_ref, m), (s_ref, s), (xl_ref, xl), (sx_ref, sx)):
+        C.store(ref, (sp, rows), v, rmask)
+
+
+def _num_splits(d: Dims, bt: int, bv: int) -> int:
+    """Vocabulary splits of the forward grid: enough programs for two per SM
+    (``C.PERSISTENT_PROGRAMS``), each split at least 8 vocabulary blocks long."""
+    nrb, nvb = C.cdiv(d.R, bt), C.cdiv(d.V, bv)
+    return max(1, min(C.cdiv(C.PERSISTENT_PROGRAMS, nrb), nvb // 8))
+
+
+def linear_cross_entropy_fwd(x, w, labels, d: Dims, *, with_sum: bool, interpret: bool = False):
+    """Per-token partials of the cross-entropy of the logits ``x @ w`` (soft-capped), one pass.
+
+    Args:
+      x: [R, D]; w: [D, V] ([V, D] with ``d.transpose_w``), x's dtype; labels: [R] int32 in
+        [0, V) or -1 (ignored token, or label elsewhere).
+      with_sum: also sum each token's logits divided by ``d.n_classes`` (label smoothing).
+    Returns:
+      (m, s, x_label, x_mean), each [splits, R] float32: per vocabulary split, the max, the
+      shifted sum of exponentials, the label's logit (0 where absent) and ``sum(z) / V``
+      (0 unless ``with_sum``). Combine the splits with :func:`combine_splits`.
+    """
+    bt, bv, bd, nw = _blocks(d, x.dtype)
+    n_split = _num_splits(d, bt, bv)
+    per_split = C.cdiv(C.cdiv(d.V, bv), n_split)
+    vec = jax.ShapeDtypeStruct((n_split, d.R), jnp.float32)
+    kernel = functools.partial(_fwd_kernel, d=d, bt=bt, bv=bv, bd=bd, per_split=per_split, with_sum=bool(with_sum))
+    nrb = C.cdiv(d.R, bt)
+    return C.call(
+        kernel, name="linear_cross_entropy_fwd", grid=(nrb, n_split), out_shape=(vec, vec, vec, vec),
+        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * d.R * d.D * d.V, transcendentals=d.R * d.V,
+        bytes_accessed=C.nbytes(x, labels) + nrb * C.nbytes(w) + 16 * n_split * d.R,
+    )(x, w, labels)
+
+
+def combine_splits(m, s, xl, sx, *, reduce_max=None, reduce_sum=None):
+    """Partials of disjoint vocabulary parts -> per-token (m, s, x_label, x_mean): the parts'
+    (max, sum) combine as an online softmax does, the rest are sums.
+
+    By default the parts are axis 0 (the forward kernel's splits); ``reduce_max`` and
+    ``reduce_sum`` reduce over other parts instead (``pmax``/``psum`` over the mesh axes of
+    a vocabulary-sharded w)."""
+    rmax = reduce_max or (lambda v: jnp.max(v, axis=0))
+    rsum = reduce_sum or (lambda v: jnp.sum(v, axis=0))
+    mg = rmax(m)
+    shift = C.finite_or_zero(mg)
+    s = rsum(jnp.where(s > 0, s * jnp.exp(m - shift), 0.0))
+    return mg, s, rsum(xl), rsum(sx)
+
+
+# --------------------------------------------------------------------------- backward
+def _row_terms(d: Dims, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask):
+    """Per token: label, shift m, and the factors of dz = a exp(z - m) - b onehot - c."""
+    lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
+    m = C.finite_or_zero(C.load(m_ref, rows, rmask))
+    s = C.load(s_ref, rows, rmask)
+    g = C.load(g_ref, rows, rmask)
+    gl = C.load(gl_ref, rows, rmask)
+    a = (g + gl) * jnp.where(s > 0.0, 1.0 / jnp.where(s > 0.0, s, 1.0), 0.0)
+    return lab, m, a, (1.0 - d.eps) * g, (d.eps / d.n_classes) * g
+
+
+def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, dtype):
+    lab, m, a, b, c = terms
+    z, t = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
+    dz = C.exp(z - m[:, None]) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
+    if d.eps:
+        dz = dz - c[:, None]
+    if t is not None:
+        dz = dz * (1.0 - t * t)
+    return jnp.where(cmask[None, :], dz, 0.0).astype(dtype)
+
+
+def _accumulate(ref, idx, mask, value, first: bool):
+    """``ref[idx] (+)= value`` on rows or columns the program owns: a fixed order, no atomics."""
+    if not first:
+        value = value + C.load(ref, idx, mask)
+    C.store(ref, idx, value, mask)
+
+
+def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d: Dims, bt: int, bv: int, bd: int):
+    i = pl.program_id(0)
+    rows = i * bt + jnp.arange(bt)
+    rmask = rows < d.R
+    terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
+
+    def step(j, first: bool):
+        cols = j * bv + jnp.arange(bv)
+        cmask = cols < d.V
+        dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
+
+        def chunk(k, carry):
+            dc = k * bd + jnp.arange(bd)
+            dmask = dc < d.D
+            wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
+            contrib = C.dot(dz, wt, trans_b=not d.transpose_w)  # [bt, bd]
+            _accumulate(dx_ref, (rows[:, None], dc[None, :]), rmask[:, None] & dmask[None, :], contrib, first)
+            return carry
+
+        lax.fori_loop(0, C.cdiv(d.D, bd), chunk, 0)
+
+    step(0, True)  # the first vocabulary block writes, the others add
+
+    def rest(j, carry):
+        step(j, False)
+        return carry
+
+    lax.fori_loop(1, C.cdiv(d.V, bv), rest, 0)
+
+
+def _dw_programs(d: Dims, bv: int) -> int:
+    """Programs of the dw kernel's persistent grid: one per SM (its ~250 registers per
+    thread allow one block per SM), each walking vocabulary blocks g, g + G, ..."""
+    over = _BLOCKS.get()
+    n = over[3] if over is not None and over[3] else C.GPU_NUM_CORES
+    return max(1, min(C.cdiv(d.V, bv), n))
+
+
+def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_ref, *, d: Dims, bt: int, bv: int,
+               bd: int, G: int):
+    g = pl.program_id(0)
+    lc = jnp.arange(bv)
+    nd = C.cdiv(d.D, bd)
+
+    def acc_index(dc, dmask):
+        """The program's own f32 accumulator tile: [bd, bv] of its [D, bv] slab (Dense
+        layout) or [bv, bd] of its [bv, D] slab (table layout)."""
+        if d.transpose_w:
+            return (g * bv + lc[:, None], dc[None, :]), jnp.ones((bv, 1), bool) & dmask[None, :]
+        return (g * d.D + dc[:, None], lc[None, :]), dmask[:, None] & jnp.ones((1, bv), bool)
+
+    def vocab_block(it, carry):
+        cols = (g + it * G) * bv + lc
+        cmask = cols < d.V
+
+        def step(i, first: bool):
+            rows = i * bt + jnp.arange(bt)
+            rmask = rows < d.R
+            terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
+            dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
+
+            def chunk(k, carry):
+                dc = k * bd + jnp.arange(bd)
+                dmask = dc < d.D
+                xt = _x_tile(x_ref, rows, rmask, dc, dmask)
+                # [bv, bd] rows of the table, or [bd, bv] columns of the kernel
+                contrib = C.dot(dz, xt, trans_a=True) if d.transpose_w else C.dot(xt, dz, trans_a=True)
+                _accumulate(acc_ref, *acc_index(dc, dmask), contrib, first)
+                return carry
+
+            lax.fori_loop(0, nd, chunk, 0)
+
+        step(0, True)
+
+        def rest(i, carry):
+            step(i, False)
+            return carry
+
+        lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
+
+        def write(k, carry):  # the finished block, in w's dtype
+            dc = k * bd + jnp.arange(bd)
+            dmask = dc < d.D
+            idx, mask = acc_index(dc, dmask)
+            tile = C.load(acc_ref, idx, mask)
+            if d.transpose_w:
+                C.store(dw_ref, (cols[:, None], dc[None, :]), tile, cmask[:, None] & dmask[None, :])
+            else:
+                C.store(dw_ref, (dc[:, None], cols[None, :]), tile, dmask[:, None] & cmask[None, :])
+            return carry
+
+        lax.fori_loop(0, nd, write, 0)
+        return carry
+
+    lax.fori_loop(0, lax.div(C.cdiv(d.V, bv) - g + (G - 1), G), vocab_block, 0)
+
+
+def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: bool = False):
+    """dx [R, D] float32 and dw (w's shape and dtype) from the saved per-token ``m`` and
+    ``s = sum(exp(z - m))`` ([R] f32, over the whole vocabulary) and the per-token f32
+    cotangents ``g`` (of the loss; 0 on ignored tokens) and ``gl`` (of the lse).
+
+    ``labels`` [R] int32 as for :func:`linear_cross_entropy_fwd`.
+    """
+    bt, bv, bd, nw = _blocks(d, x.dtype)
+    args = (x, w, labels, m, s, g, gl)
+    flops = 4 * d.R * d.D * d.V
+    common = dict(interpret=interpret, num_warps=nw, num_stages=2, flops=flops, transcendentals=d.R * d.V)
+    dx = C.call(
+        functools.partial(_dx_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dx",
+        grid=(C.cdiv(d.R, bt),), out_shape=jax.ShapeDtypeStruct((d.R, d.D), jnp.float32),
+        bytes_accessed=C.nbytes(*args) + C.cdiv(d.R, bt) * C.nbytes(w) + 8 * d.R * d.D * C.cdiv(d.V, bv), **common,
+    )(*args)
+    G = _dw_programs(d, bv)
+    acc = (G * bv, d.D) if d.transpose_w else (G * d.D, bv)
+    dw, _ = C.call(
+        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd, G=G), name="linear_cross_entropy_bwd_dw",
+        grid=(G,), out_shape=(jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(acc, jnp.float32)),
+        bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
+    )(*args)
+    return dx, dw

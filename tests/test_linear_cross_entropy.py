@@ -1,0 +1,195 @@
+"""linear_cross_entropy against jaxbwd.matmul followed by jaxbwd.cross_entropy, option by
+option, on both implementations; block and chunk tails; memory without [tokens, V] arrays.
+
+The generated contract (tests/test_contract.py) covers the registry examples, transforms,
+forward mode, second order, lowering at LLM shapes and the residual budget.
+"""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbwd
+from jaxbwd.pallas import linear_cross_entropy as K
+from jaxbwd.vjp import linear_cross_entropy as L
+
+R, D, V = 37, 40, 50  # token, feature and vocabulary counts that fill no block exactly
+
+
+def _inputs(seed=0, R=R, D=D, V=V, scale=1.0, dtype=jnp.float32):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = (scale * jax.random.normal(k[0], (R, D))).astype(dtype)
+    w = (3.0 / D**0.5 * jax.random.normal(k[1], (D, V))).astype(dtype)
+    labels = jax.random.randint(k[2], (R,), 0, V).at[3].set(-100).at[5].set(V).at[7].set(-2)
+    weights = jax.random.uniform(k[3], (R,), jnp.float32, 0.0, 2.0)
+    return x, w, labels, weights
+
+
+def _unfused(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=None,
+             weights=None, reduction="mean", return_aux=False, implementation=None):
+    """jaxbwd.matmul -> softcap -> jaxbwd.cross_entropy, weights and reduction applied to its
+    per-token losses as the op documents."""
+    z = jaxbwd.matmul(x, w).astype(jnp.float32)
+    if logit_softcap is not None:
+        z = logit_softcap * jnp.tanh(z / logit_softcap)
+    kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, implementation=implementation)
+    valid = (labels >= 0) & (labels < w.shape[1]) & (labels != ignore_index)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    aux = {"lse": lse, "z_loss": jnp.where(valid, z_loss * lse**2, 0.0)}
+    if weights is None and reduction != "none":
+        out = jaxbwd.cross_entropy(z, labels, reduction=reduction, **kw)
+    else:
+        loss = jaxbwd.cross_entropy(z, labels, reduction="none", **kw)
+        wts = jnp.ones_like(loss) if weights is None else weights
+        loss = loss * wts
+        if reduction == "none":
+            out = loss
+        else:
+            den = jnp.sum(jnp.where(valid, wts, 0.0))
+            out = jnp.sum(loss) / (jnp.where(den == 0, 1.0, den) if reduction == "mean" else 1.0)
+    return (out, aux) if return_aux else out
+
+
+def _scalar(fn, labels, kw):
+    """A scalar of the loss (and aux) whose gradient reaches every output."""
+    def f(x, w):
+        out = fn(x, w, labels, **kw)
+        loss, aux = out if kw.get("return_aux") else (out, None)
+        total = jnp.sum(jnp.sin(jnp.arange(loss.size).reshape(loss.shape) + 1.0) * loss.astype(jnp.float32))
+        if aux is not None:
+            total = total + 0.3 * jnp.sum(jnp.cos(aux["lse"])) + 7.0 * jnp.sum(aux["z_loss"])
+        return total
+    return f
+
+
+def _check(kw, impl, transpose_w=False, seed=0, tol=2e-5, **shape):
+    x, w, labels, weights = _inputs(seed, **shape)
+    kw = dict(kw)
+    if kw.pop("use_weights", False):
+        kw["weights"] = weights
+    want_out = _unfused(x, w, labels, **kw)
+    fused = lambda x, w, labels, **k: jaxbwd.linear_cross_entropy(  # noqa: E731
+        x, w.T if transpose_w else w, labels, transpose_w=transpose_w, implementation=impl, **k)
+    got_out = fused(x, w, labels, **kw)
+    for g, e in zip(jax.tree_util.tree_leaves(got_out), jax.tree_util.tree_leaves(want_out)):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=tol, atol=tol)
+    want = jax.grad(_scalar(_unfused, labels, kw), (0, 1))(x, w)
+    got = jax.grad(_scalar(fused, labels, kw), (0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=tol, atol=tol * float(jnp.max(jnp.abs(e))))
+
+
+OPTIONS = dict(label_smoothing=(0.0, 0.1), z_loss=(0.0, 1e-2), logit_softcap=(None, 4.0), use_weights=(False, True),
+               reduction=("mean", "sum", "none"), return_aux=(False, True))
+
+
+def _combos(keys):
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(OPTIONS[k] for k in keys))]
+
+
+def test_xla_every_option_combination():
+    """The XLA path: every combination of the options, against matmul + cross_entropy."""
+    with L.chunk_size(16):  # 4 chunks, the last clamped onto the third
+        for kw in _combos(list(OPTIONS)):
+            _check(kw, "xla")
+
+
+@pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
+@pytest.mark.parametrize("label_smoothing,logit_softcap", ((0.0, None), (0.1, None), (0.0, 4.0), (0.1, 4.0)))
+def test_pallas_every_kernel_option(label_smoothing, logit_softcap, transpose_w):
+    """The kernels see only smoothing, softcap and w's layout (z-loss, weights, the
+    reduction and aux reach them as the cotangents of the loss and the lse): every
+    combination of those, with z-loss, weights and aux on, multi-block in every dimension."""
+    kw = dict(label_smoothing=label_smoothing, logit_softcap=logit_softcap, z_loss=1e-2, use_weights=True,
+              return_aux=True, reduction="mean")
+    with K.block_sizes(16, 16, 16):
+        _check(kw, "pallas", transpose_w=transpose_w)
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+@pytest.mark.parametrize("reduction", ("sum", "none"))
+def test_reductions_ignore_index_and_tied(impl, reduction):
+    with K.block_sizes(16, 16, 16), L.chunk_size(16):
+        _check(dict(reduction=reduction, ignore_index=4), impl, transpose_w=True)
+
+
+def test_vocabulary_splits_are_combined():
+    """The forward grid splits the vocabulary when token blocks are few; the splits' partials
+    combine to the unsplit result."""
+    d = K.Dims(R=5, D=16, V=300, n_classes=300, eps=0.1, softcap=None, transpose_w=False)
+    assert K._num_splits(d, 16, 16) == 2
+    with K.block_sizes(16, 16, 16):
+        _check(dict(label_smoothing=0.1, reduction="none"), "pallas", R=5, D=16, V=300)
+
+
+@pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
+def test_dw_programs_walk_several_vocabulary_blocks(transpose_w):
+    """The dw kernel's persistent grid: 2 programs over 5 vocabulary blocks (3 and 2 each),
+    each reusing its f32 accumulator slab from block to block."""
+    with K.block_sizes(16, 16, 16, dw_programs=2):
+        _check(dict(label_smoothing=0.1, logit_softcap=4.0), "pallas", transpose_w=transpose_w, V=80)
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_large_logits_stay_exact(impl):
+    """Logits near 1e4: the loss keeps f32 precision (the large terms cancel before log(s))."""
+    x, w, labels, _ = _inputs(1, R=8, D=16, V=24, scale=2000.0)
+    want = jaxbwd.cross_entropy(jnp.matmul(x, w, precision="highest"), labels, reduction="none")
+    got = jaxbwd.linear_cross_entropy(x, w, labels, reduction="none", implementation=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-2)
+    g = jax.grad(lambda x: jnp.sum(jaxbwd.linear_cross_entropy(x, w, labels, implementation=impl)))(x)
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_everything_ignored_or_zero_weights_gives_zero(impl):
+    x, w, labels, _ = _inputs(2, R=6, D=16, V=20)
+    none = jnp.full_like(labels, -100)
+    loss, g = jax.value_and_grad(lambda x: jaxbwd.linear_cross_entropy(x, w, none, implementation=impl))(x)
+    assert float(loss) == 0.0 and not np.any(np.asarray(g))
+    zero_w = jaxbwd.linear_cross_entropy(x, w, labels, weights=jnp.zeros((6,)), implementation=impl)
+    assert float(zero_w) == 0.0
+
+
+def test_bfloat16_matches_float32_reference():
+    x, w, labels, weights = _inputs(3, dtype=jnp.bfloat16)
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, weights=weights)
+    want = _unfused(x32, w32, labels, **kw)
+    gw = jax.grad(_scalar(_unfused, labels, kw), (0, 1))(x32, w32)
+    for impl in ("xla", "pallas"):
+        fused = lambda x, w, labels, **k: jaxbwd.linear_cross_entropy(x, w, labels, implementation=impl, **k)  # noqa
+        out = fused(x, w, labels, **kw)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_allclose(float(out), float(want), rtol=2e-2)
+        for g, e in zip(jax.grad(_scalar(fused, labels, kw), (0, 1))(x, w), gw):
+            assert g.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e), atol=2e-2 * float(jnp.max(jnp.abs(e))))
+
+
+def _temp_bytes(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_xla_path_holds_no_tokens_by_vocab_array():
+    """Compiled temp memory of grad (and of jvp) on the XLA path stays far below one
+    [tokens, V] f32 array: the vocabulary is walked in chunks of CHUNK_ELEMENTS logits."""
+    T, Dm, Vb = 2048, 256, 32000
+    x = jax.ShapeDtypeStruct((T, Dm), jnp.float32)
+    w = jax.ShapeDtypeStruct((Dm, Vb), jnp.float32)
+    labels = jnp.zeros((T,), jnp.int32)
+    loss = lambda x, w: jaxbwd.linear_cross_entropy(x, w, labels, label_smoothing=0.1, z_loss=1e-4,  # noqa: E731
+                                                    implementation="xla")
+    full = T * Vb * 4
+    grad_temp = _temp_bytes(jax.grad(loss, (0, 1)), x, w)
+    jvp_temp = _temp_bytes(lambda x, w: jax.jvp(loss, (x, w), (x, w)), x, w)
+    unfused_temp = _temp_bytes(jax.grad(lambda x, w: jaxbwd.cross_entropy(jaxbwd.matmul(x, w), labels,
+                                                                          implementation="xla"), (0, 1)), x, w)
+    budget = 8 * 4 * L.CHUNK_ELEMENTS + 4 * (T * Dm + Dm * Vb) * 4
+    assert grad_temp <= budget and jvp_temp <= budget, (grad_temp, jvp_temp, budget)
+    assert grad_temp < full / 2 < unfused_temp, (grad_temp, full, unfused_temp)
