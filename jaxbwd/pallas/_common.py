@@ -213,6 +213,20 @@ def sm_version() -> int:
     return 90
 
 
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels are built for: the abstract device's
+    core count when lowering from a CPU machine, else the default GPU's; ``GPU_NUM_CORES``
+    (an H200) in interpret mode, where it only changes how work is split, not results."""
+    try:
+        dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # pragma: no cover - older API
+        dev = None
+    n = getattr(dev, "num_cores", None) if dev is not None and getattr(dev, "platform", None) == "cuda" else None
+    if not n and jax.default_backend() == "gpu":
+        n = getattr(jax.devices()[0], "core_count", None)
+    return int(n) if n else GPU_NUM_CORES
+
+
 def _check_can_run(name: str, interpret: bool) -> None:
     if interpret or _has_abstract_gpu():
         return
