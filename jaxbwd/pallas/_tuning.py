@@ -71,11 +71,13 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_bwd_dq/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
         # conv2d: dgrad M = input pixels, N = input channels, K = (tap, output channel);
         # wgrad M = input channels, N = output channels, K = output pixels.
+        # Compiled at the registry's UNet shapes (H200): 16-bit 96-118 registers, 2 blocks per
+        # SM (98 KB of shared memory each); f32 (TF32) 128-145 registers, 1 block.
         "conv2d_dgrad/16bit": _(128, 128, 64, num_warps=8, num_stages=3, blocks_per_sm=2),
-        "conv2d_dgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=2),
+        "conv2d_dgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
         "conv2d_dgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
         "conv2d_wgrad/16bit": _(128, 128, 64, num_warps=8, num_stages=3, blocks_per_sm=2),
-        "conv2d_wgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=2),
+        "conv2d_wgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
         "conv2d_wgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
         # Norm backward: block_n columns (one column chunk) per row, 16 elements per thread
         # and operand; wider rows are chunked (compiled at 16 warps: 113-128 registers).
@@ -87,11 +89,12 @@ TABLE: dict[str, dict[str, Config]] = {
     },
     "sm_80": {
         **_ATTENTION,
+        # A100 (compiled): 125-155 registers, one 8-warp block per SM.
         "conv2d_dgrad/16bit": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
         "conv2d_dgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=1),
         "conv2d_dgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
         "conv2d_wgrad/16bit": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
-        "conv2d_wgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_wgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=2),  # 122-127 registers
         "conv2d_wgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
         # sm_80 compiles the same row code at about twice sm_90's registers (215-255 at
         # 4096 columns on 8 warps; 16 warps at 8192 spill): chunks of 4096.
@@ -171,7 +174,8 @@ if os.environ.get("JAXBWD_TUNING"):
 # ------------------------------------------------------------------------ heuristics
 
 
-def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps: int = 1) -> int:
+def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps: int = 1,
+          max_split: int | None = None) -> int:
     """Programs per tile for ``tiles`` independent reductions of ``steps`` sequential steps
     each (rows of a norm's weight gradient, a conv wgrad's pixel blocks): the one helper that
     sizes persistent and split-K grids.
@@ -180,10 +184,13 @@ def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps:
     occupancy). Splitting each reduction over ``s`` programs takes
     ``ceil(tiles * s / slots)`` waves of ``ceil(steps / s)`` steps; the smallest ``s``
     minimising their product is chosen, with at most ``max_waves`` waves (1: a persistent
-    grid) and at least ``min_steps`` steps per program (pipelining needs a few).
+    grid), at least ``min_steps`` steps per program (pipelining needs a few) and at most
+    ``max_split`` programs per tile (each writes a partial result).
     """
     slots = max(1, cfg.blocks_per_sm * C.num_sms())
     hi = max(1, min(steps // max(1, min_steps), C.cdiv(max_waves * slots, max(1, tiles))))
+    if max_split is not None:
+        hi = max(1, min(hi, max_split))
     if tiles * 1 > max_waves * slots:
         return 1
     best, best_s = None, 1
