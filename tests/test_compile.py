@@ -36,6 +36,9 @@ KNOWN_SPILLS = {
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
 EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "cross_entropy_fwd", "cross_entropy_bwd"}
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
+# Main-loop SASS instructions per unique score element (deviceless.main_loop's counting rule)
+# at head_dim 128, bf16, H200: at most 18 in the forward, 27 in dk/dv, 22 in dq.
+INST_PER_S = {"attention_fwd": 18, "attention_bwd_dkdv": 27, "attention_bwd_dq": 22}
 # Persistent grids, sized by _tuning.split from the occupancy the tuning table records: the
 # compiled kernels must reach it (else the grid is more than one wave) and fill most of a wave.
 PERSISTENT = {"rms_norm_bwd", "layer_norm_bwd", "bias_add_dbias"}
@@ -89,6 +92,34 @@ def test_occupancy_rules(regs, threads, smem, blocks, limiter):
                                smem_per_block=smem)
     assert (occ["blocks_per_sm"], occ["limiter"]) == (blocks, limiter)
     assert occ["warps_per_sm"] == blocks * threads // 32
+
+
+_SASS = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   HGMMA.64x64x16.F32.BF16 R8, gdesc[UR4], RZ ;
+        /*0120*/                   FMUL R2, R2, R3 ;
+        /*0130*/                   NOP ;
+        /*0140*/                   MUFU.EX2 R4, R2 ;
+        /*0150*/                   HGMMA.64x64x16.F32.BF16 R8, gdesc[UR4], R8 ;
+        /*0160*/               @P0 BRA 0x120 ;
+        /*0170*/                   FADD R2, R2, R3 ;
+        /*0180*/                   HGMMA.64x64x16.F32.BF16 R8, gdesc[UR4], R8 ;
+        /*0190*/                   MUFU.EX2 R4, R2 ;
+        /*01a0*/               @P1 BRA 0x170 ;
+        /*01b0*/                   ISETP.NE.AND P0, PT, R0, RZ, PT ;
+        /*01c0*/               @P0 BRA 0x110 ;
+        /*01d0*/                   EXIT ;
+        /*01e0*/                   BRA 0x1e0;
+"""
+
+
+def test_main_loop_is_the_smallest_innermost_tensor_core_loop():
+    # Loops: [0x120, 0x160] (HGMMA, 4 instructions without the NOP), [0x170, 0x1a0] (4),
+    # [0x110, 0x1c0] (encloses both), the self-branch at 0x1e0 (no body). Innermost with
+    # tensor-core ops: the first two; the tie goes to the first.
+    loop = deviceless.main_loop(_SASS)
+    assert loop == {"loop_sass": 4, "loop_tc": 1, "loop_ex2": 1}
+    assert deviceless.main_loop(_SASS.replace("HGMMA", "FFMA")) is None
 
 
 def test_smem_over_the_opt_in_limit_fits_no_block():
@@ -151,6 +182,9 @@ def test_kernels_compile_for_gpus(op, jobs):
             assert r["spill_stores"] == 0, f"{where}: {r['spill_stores']} spill stores"
         if r["kernel"] in EXP2_ONLY:
             assert r["expf"] == 0 and r["ex2"] > 0, f"{where}: {r['expf']} libdevice expf sequences"
+        if r["kernel"] in INST_PER_S and r["gpu"] == "h200" and r["dtype"] == "bfloat16" and "x128" in r["case"]:
+            assert r["inst_per_s"] is not None and r["inst_per_s"] <= INST_PER_S[r["kernel"]], (
+                f"{where}: {r['inst_per_s']} main-loop instructions per S element (at most {INST_PER_S[r['kernel']]})")
         if r["kernel"] in PERSISTENT:
             assert 0.75 <= r["waves"] <= 1.0, f"{where}: persistent grid of {r['waves']:.2f} waves"
         if op in ("dot_product_attention", "conv2d"):  # bf16, and f32 through TF32

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import math
 import warnings
 from typing import Any, Callable, Sequence
@@ -251,10 +252,13 @@ def call(
     flops: int = 0,
     transcendentals: int = 0,
     bytes_accessed: int = 0,
+    metadata: dict[str, str] | None = None,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
     mask their own tiles), a name, a cost estimate and Triton compiler parameters; inside
-    a vma-checked shard_map the outputs declare the manual axes they vary over."""
+    a vma-checked shard_map the outputs declare the manual axes they vary over.
+    ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
+    call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
     _check_can_run(name, interpret)
 
     def launch(*args):
@@ -264,6 +268,8 @@ def call(
             return _launch(args, out)
         finally:
             _INTERPRETING.reset(token)
+
+    extra = {"metadata": dict(metadata)} if metadata and _PALLAS_CALL_HAS_METADATA else {}
 
     def _launch(args, out):
         return pl.pallas_call(
@@ -276,9 +282,13 @@ def call(
             cost_estimate=pl.CostEstimate(
                 flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
             ),
+            **extra,
         )(*args)
 
     return launch
+
+
+_PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).parameters
 
 
 def _vary_together(args, out_shape):
