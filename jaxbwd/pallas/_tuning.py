@@ -10,7 +10,8 @@ takes the sm_90 entries, which are the ones compiled and checked for it so far.
 from its registers and shared memory by ``python -m jaxbwd compile`` (column ``blk/SM``).
 Grids that are persistent or split along a reduction are sized from it and the SM count
 by one helper, :func:`split`; the compile gates (``tests/test_compile.py``) check that the
-compiled kernels still reach the occupancy the table assumes.
+norms' and bias_add's compiled kernels still reach the occupancy the table assumes (their
+persistent grids stay within one wave).
 
 A JSON file of measured winners (``bench/gpu_check.sh`` writes one) overrides entries:
 ``{"sm_90": {"conv2d_dgrad/16bit": {"block_k": 128, "num_stages": 4}}}``; it is read from
@@ -48,10 +49,9 @@ class Config:
 
 
 _ = Config
-# Attention: block_m = query rows, block_n = key rows. Stages stay at 2: the forward and
-# dq at 128 x 64 tiles take 160-190 KB of shared memory per block with a third stage.
-# 8 warps from head_dim 65: with 64-row dkdv tiles both warpgroups compute the same rows on
-# sm_90 (wgmma splits M between warpgroups only from 128), see attention._blocks.
+# Attention: block_m = query rows, block_n = key rows, 2 stages (as compiled so far; more
+# stages are among the configurations bench/tune.py sweeps on a GPU). 8 warps from head_dim
+# 65, except where two warpgroups would compute the same 64 rows (see attention._config).
 _ATTENTION = {
     "attention_fwd/h64": _(128, 64, num_warps=4, num_stages=2),
     "attention_fwd/h128": _(128, 64, num_warps=8, num_stages=2),
