@@ -3,7 +3,7 @@
 At B=2, N=16, H=128, bf16, causal, T in {1k, 4k, 8k}: median time of forward + backward
 for jaxbwd (Pallas on GPU), ``jax.grad`` of the plain reference (XLA autodiff, T x T
 probabilities) and ``jax.nn.dot_product_attention`` (``implementation="cudnn"`` on GPU,
-XLA elsewhere), with TFLOP/s counted as forward 4*B*N*T*S*H (halved when causal) and the
+XLA elsewhere; and ``implementation="xla"``), with TFLOP/s counted as forward 4*B*N*T*S*H (halved when causal) and the
 backward as 2.5x the forward (the FlashAttention-2 convention), and the residual bytes
 each keeps for the backward. Without a GPU, jaxbwd runs its blockwise XLA path and the
 sizes shrink to what a CPU finishes in seconds.
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
         "autodiff": lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True),
         "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn" if on_gpu else None),
+        "jax.nn-xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
     }
     rows = []
     print(f"attention fwd+bwd, B={B}, N={N}, H={H}, {jnp.dtype(dtype).name}, causal, "

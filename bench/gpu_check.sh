@@ -2,8 +2,10 @@
 # One-shot GPU check for a single-GPU machine that already has jax with CUDA installed
 # and no network: installs nothing, runs the tests marked `gpu` (real compiled kernels,
 # numerics vs reference at realistic shapes), then the LLM-size benchmark, and writes
-# the log, JSON and chart to $OUT (or the first argument). Budget: under 8 minutes
-# (the per-step timeouts add up to 565 s).
+# the log, JSON and chart to $OUT (or the first argument), and sweeps a few launch
+# configurations of the attention and conv2d kernels (bench/tune.py), writing the fastest to
+# $OUT/tuning.json for the tuning table (JAXBWD_TUNING=$OUT/tuning.json). Budget: under 14
+# minutes (the per-step timeouts add up to 805 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/results/$(date +%Y-%m-%d)}}
@@ -21,6 +23,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 45 python -m jaxbwd check 2>&1 | tail -n 80
   echo "== bench/attention.py (vs autodiff and cuDNN)"
   timeout 100 python bench/attention.py --json "$out/attention.json" 2>&1
+  echo "== bench/tune.py (config sweeps; attention vs cuDNN and XLA, conv2d vs XLA, bf16)"
+  timeout 240 python bench/tune.py --json "$out/tuning.json" --repeats 5 2>&1
   echo "== python -m jaxbwd bench --size llm"
   timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
   echo "== forward mode through attention: attention_jvp kernel vs XLA formula vs jax.jvp of the reference"

@@ -365,7 +365,9 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
         raise RuntimeError(f"cuobjdump -sass shows no function {function}")
     ops = [o for o in _SASS_LINE.findall(body) if o != "NOP"]
     base = Counter(o.split(".")[0] for o in ops)
+    loop = main_loop(body) or {"loop_sass": 0, "loop_tc": 0, "loop_ex2": 0}
     return {
+        **loop,
         "sass": len(ops),
         "hgmma": base["HGMMA"],  # sm_90 warpgroup MMA (wgmma)
         "hmma": base["HMMA"],  # sm_80-style warp MMA (mma.sync)
@@ -375,6 +377,40 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
         "spill_stores": base["STL"],
         "spill_loads": base["LDL"],
     }
+
+
+_SASS_INSTR = re.compile(
+    r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
+_TENSOR_CORE_OPS = ("HGMMA", "HMMA")
+
+
+def main_loop(sass_body: str) -> Optional[dict[str, int]]:
+    """The kernel's main loop in its SASS, or ``None`` when no loop holds a tensor-core op.
+
+    Counting rule: a loop is a backward branch (``BRA`` to a lower address) and its body
+    the instructions from the target to the branch, inclusive. The main loop is the
+    innermost loop whose body holds ``HGMMA``/``HMMA`` (no smaller such loop inside it);
+    where a kernel has several (an unmasked and a masked copy of its loop), the one with the
+    fewest instructions, which is the copy that runs on all but the edge blocks. Its
+    instruction count (NOPs excluded) is what every thread issues per iteration.
+    """
+    instrs = [(int(a, 16), op, rest) for a, op, rest in _SASS_INSTR.findall(sass_body)]
+    loops = []
+    for addr, op, rest in instrs:
+        if op.split(".")[0] == "BRA":
+            m = re.search(r"0x([0-9a-f]+)", rest)
+            if m and int(m.group(1), 16) < addr:
+                loops.append((int(m.group(1), 16), addr))
+    tc = [a for a, op, _ in instrs if op.split(".")[0] in _TENSOR_CORE_OPS]
+    with_tc = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in tc)]
+    if not with_tc:
+        return None
+    innermost = [(lo, hi) for lo, hi in with_tc
+                 if not any((l2, h2) != (lo, hi) and lo <= l2 and h2 <= hi for l2, h2 in with_tc)]
+    lo, hi = min(innermost, key=lambda r: r[1] - r[0])
+    body = [op for a, op, _ in instrs if lo <= a <= hi and op != "NOP"]
+    return {"loop_sass": len(body), "loop_tc": sum(op.split(".")[0] in _TENSOR_CORE_OPS for op in body),
+            "loop_ex2": sum(op.startswith("MUFU.EX2") for op in body)}
 
 
 def _run_tool(tool: str, *args: str) -> str:
@@ -441,6 +477,7 @@ def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
                     "flops": int(getattr(cost, "flops", 0) or 0),
                     "bytes_accessed": int(getattr(cost, "bytes_accessed", 0) or 0),
                     "io_bytes": sum(_nbytes(v.aval) for v in eqn.invars) + sum(_nbytes(v.aval) for v in eqn.outvars),
+                    "metadata": dict(p.get("metadata") or {}),
                 })
             for v in eqn.params.values():
                 for sub in v if isinstance(v, (tuple, list)) else (v,):
@@ -530,6 +567,23 @@ def _device(target: GpuTarget):
     return _TOPOLOGIES[target.name].devices[0]
 
 
+def _s_tile(call) -> Optional[list[int]]:
+    """The [rows, cols] of the score tile S one main-loop iteration computes, as an attention
+    kernel declares it (``pallas_call`` metadata ``s_tile = "RxC"``), else ``None``."""
+    tile = (call.get("metadata") or {}).get("s_tile")
+    return [int(v) for v in tile.split("x")] if tile else None
+
+
+def _inst_per_s(mix, threads: int, call) -> Optional[float]:
+    """Main-loop SASS instructions per unique S element: the loop's instructions per thread
+    per iteration (``main_loop``) over the S elements each thread owns uniquely, R*C/threads
+    (a warpgroup that recomputes another's rows owns none of its own: the figure doubles)."""
+    tile = _s_tile(call)
+    if not tile or not mix.get("loop_sass"):
+        return None
+    return round(mix["loop_sass"] * threads / (tile[0] * tile[1]), 1)
+
+
 def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
     """Compiles one case for its GPU without a GPU and returns one row per Pallas kernel."""
     import warnings
@@ -574,6 +628,7 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
             **mix,
             "tensor_core": next((kind for kind, key in (("HGMMA", "hgmma"), ("UTCMMA", "utcmma"), ("HMMA", "hmma"))
                                  if mix[key]), "none"),
+            "s_tile": _s_tile(call), "inst_per_s": _inst_per_s(mix, k.threads_per_block, call),
             "flops": call.get("flops"), "bytes_accessed": call.get("bytes_accessed"),
             "io_bytes": call.get("io_bytes"), "op_min_bytes": op_min_bytes,
             "compile_s": round(seconds, 2),
@@ -737,6 +792,9 @@ COLUMNS = (
     ("ex2", "ex2", "MUFU.EX2 instructions"),
     ("expf", "expf", "libdevice expf sequences"),
     ("sass", "sass", "static SASS instructions (NOPs excluded)"),
+    ("i/S", lambda r: f"{r['inst_per_s']:.1f}" if r.get("inst_per_s") else "-",
+     "main-loop SASS instructions per unique score element (attention): the innermost loop holding "
+     "the tensor-core ops, instructions per thread per iteration / (S tile elements / threads)"),
     ("MB", lambda r: f"{r['io_bytes'] / 1e6:.0f}" if r.get("io_bytes") else "-",
      "the kernel's operands and results, MB (its minimum traffic: each read once, each written once)"),
     ("io/min", lambda r: f"{r['op_io_bytes'] / r['op_min_bytes']:.2f}" if r.get("op_min_bytes") else "-",
@@ -776,7 +834,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 COMPARED = (("reg", "registers"), ("spill", "stack"), ("blk/SM", "blocks_per_sm"), ("waves", "waves"),
-            ("sass", "sass"), ("ex2", "ex2"), ("expf", "expf"), ("TC", "tensor_core"))
+            ("sass", "sass"), ("i/S", "inst_per_s"), ("ex2", "ex2"), ("expf", "expf"), ("TC", "tensor_core"))
 
 
 def compare(baseline: dict[str, Any], report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -792,8 +850,9 @@ def compare(baseline: dict[str, Any], report: dict[str, Any]) -> tuple[list[str]
             continue
         cells = []
         for _, k in COMPARED:
-            fmt = (lambda v: f"{v:.2f}") if k == "waves" else str
-            cells.append(fmt(r[k]) if b[k] == r[k] else f"{fmt(b[k])} -> {fmt(r[k])}")
+            fmt = (lambda v: f"{v:.2f}") if k == "waves" else (lambda v: "-" if v is None else str(v))
+            old_v, new_v = b.get(k), r.get(k)
+            cells.append(fmt(new_v) if old_v == new_v else f"{fmt(old_v)} -> {fmt(new_v)}")
         rows.append(list(key(r)[:4]) + [r["kernel"]] + cells)
     return headers, rows
 

@@ -147,6 +147,20 @@ def test_jvp_kernel_default_blocks_multi_tile(dtype):
     _close(tangent, want_t, TOL[dtype])
 
 
+@pytest.mark.parametrize("H,blocks", [(64, (32, 16)), (80, (16, 32)), (96, (32, 16)), (128, (16, 32)),
+                                      (192, (32, 16)), (256, (16, 16))])
+def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
+    # Every head dim of the configs, causal, with unequal block sizes: the forward and dq
+    # loops run unmasked blocks left of the diagonal and masked diagonal and tail blocks
+    # (T = S = 70 leaves ragged tails); bf16 takes the split loops in dq as well.
+    _check("pallas", 1, 70, 70, 2, 1, H, dtype="bfloat16", blocks=blocks, is_causal=True)
+
+
+def test_non_causal_key_tail_is_masked_only_in_the_last_block():
+    # S = 37 over 16-key blocks: two unmasked blocks and one tail block per query block.
+    _check("pallas", 2, 20, 37, 2, 2, 32, dtype="bfloat16", blocks=(16, 16))
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", ["T13-S29-causal", "softcap2-all"])
 def test_bf16(case, impl):

@@ -14,6 +14,7 @@ import pytest
 import jaxbwd
 from jaxbwd import config, reference
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
 
 def test_config_context_manager_restores_and_validates():
@@ -61,11 +62,12 @@ def test_implementation_is_fixed_at_trace_time():
 
 @pytest.mark.parametrize("D", [9000, 16384 + 5])
 def test_norm_kernels_column_chunk_path(D):
-    """Rows wider than one tile take the chunked two-pass path with read-modify-write partials."""
+    """Rows wider than one chunk: one program per chunk, each re-reading the other chunks of its
+    rows for the full-row sums."""
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(k[0], (3, D))
     w, b, dy = jax.random.normal(k[1], (D,)), jax.random.normal(k[2], (D,)), jax.random.normal(k[3], (3, D))
-    assert C.row_tiling(3, D).num_col_blocks > 1
+    assert _tuning.norm_bwd(3, D)[0].num_col_blocks > 1
     for op, refop, args in (
         (jaxbwd.rms_norm, reference.rms_norm, (x, w)),
         (jaxbwd.layer_norm, reference.layer_norm, (x, w, b)),
@@ -75,9 +77,26 @@ def test_norm_kernels_column_chunk_path(D):
         chex.assert_trees_all_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def test_norm_kernels_small_chunks_many_rows():
+    """Chunks of 128 columns (four per row, the last a tail) over row blocks shared by few
+    programs: each program's partials cover several rows of its own chunk."""
+    k = jax.random.split(jax.random.PRNGKey(2), 4)
+    x, dy = jax.random.normal(k[0], (45, 500)), jax.random.normal(k[3], (45, 500))
+    w, b = jax.random.normal(k[1], (500,)), jax.random.normal(k[2], (500,))
+    tune = {"sm_90": {"norm_bwd": {"block_n": 128, "blocks_per_sm": 1}}}
+    with _tuning.use(tune), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(C, "num_sms", lambda: 5)
+        t, cfg = _tuning.norm_bwd(45, 500)
+        assert t.num_col_blocks == 4 and _tuning.split(4, t.num_row_blocks, cfg) == 1
+        got = jax.vjp(lambda *a: jaxbwd.layer_norm(*a, implementation="pallas"), x, w, b)[1](dy)
+        got_rms = jax.vjp(lambda *a: jaxbwd.rms_norm(*a, implementation="pallas"), x, w)[1](dy)
+    chex.assert_trees_all_close(got, jax.vjp(reference.layer_norm, x, w, b)[1](dy), atol=2e-4, rtol=1e-4)
+    chex.assert_trees_all_close(got_rms, jax.vjp(reference.rms_norm, x, w)[1](dy), atol=2e-4, rtol=1e-4)
+
+
 def test_norm_and_bias_kernels_persistent_loop(monkeypatch):
     """More row blocks than programs: each program walks several row blocks."""
-    monkeypatch.setattr(C, "PERSISTENT_PROGRAMS", 3)
+    monkeypatch.setattr(C, "num_sms", lambda: 1)  # one program per column block
     k = jax.random.split(jax.random.PRNGKey(1), 4)
     x, dy = jax.random.normal(k[0], (37, 1000)), jax.random.normal(k[3], (37, 1000))
     w, b = jax.random.normal(k[1], (1000,)), jax.random.normal(k[2], (1000,))

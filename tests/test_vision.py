@@ -93,6 +93,52 @@ def test_conv2d_bf16_strided_depthwise_pallas():
         chex.assert_trees_all_close(g.astype(jnp.float32), e, atol=2e-2 * s, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kw", [{"padding": 1}, {"stride": 2, "padding": 1, "dilation": (2, 1)}])
+def test_conv2d_pallas_table_tiles_multi_block(kw):
+    """The tuning table's 128 x 128 tiles with more channels than one tile: two input-channel
+    blocks (the second a tail), three 64-channel K blocks per tap in dgrad's flat loop, two
+    output-channel tiles in wgrad; strided + dilated taps walked per phase."""
+    x, w = _normal(0, (1, 6, 7, 160), jnp.float32), _normal(1, (3, 3, 160, 144), scale=0.05)
+    _check_vjp(lambda x, w: conv2d(x, w, **kw, implementation="pallas"),
+               lambda x, w: reference.conv2d(x, w, **kw), (x, w), kernels=("conv2d_dgrad", "conv2d_wgrad"))
+
+
+def test_conv2d_pallas_small_tiles_split_k():
+    """16 x 16 x 16 tiles: several pixel blocks with a tail, channel tails, (tap, channel) K
+    steps, groups, and wgrad's pixel reduction split over three programs per tile."""
+    from jaxbwd.pallas import _tuning
+
+    x, w = _normal(0, (2, 9, 11, 20)), _normal(1, (3, 3, 10, 24), scale=0.2)
+    kw = dict(padding=(1, 2), dilation=(1, 2), groups=2)  # Ho x Wo = 9 x 11
+    tiles = {"block_m": 16, "block_n": 16, "block_k": 16, "blocks_per_sm": 1}
+    with _tuning.use({"sm_90": {"conv2d_dgrad": tiles, "conv2d_wgrad": tiles}}), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tuning.C, "num_sms", lambda: 100)
+        cfg = _tuning.conv("conv2d_wgrad", jnp.float32, False)
+        # 18 (tap, group) tiles, 198 output pixels in 13 blocks: the kernel's own call.
+        nbytes = 4 * (x.size + 2 * 9 * 11 * 24)
+        assert _tuning.split(18, 13, cfg, max_waves=4, min_steps=4, max_split=nbytes // (4 * 90 * 24)) == 3
+        _check_vjp(lambda x, w: conv2d(x, w, **kw, implementation="pallas"),
+                   lambda x, w: reference.conv2d(x, w, **kw), (x, w), kernels=("conv2d_dgrad", "conv2d_wgrad"))
+
+
+def test_conv2d_xla_backward_in_input_dtype():
+    """The XLA path's dgrad and wgrad are bf16 convolutions (f32 accumulation is the conv's
+    own), not f32 convolutions of upcast operands; gradients match f32 autodiff to bf16."""
+    x, w = _normal(0, (2, 10, 11, 8), jnp.bfloat16), _normal(1, (3, 3, 4, 8), jnp.bfloat16, 0.3)
+    kw = dict(stride=2, padding=1, groups=2)
+    ct = _normal(2, (2, 5, 6, 8), jnp.bfloat16)
+    bwd = lambda x, w, ct: jax.vjp(lambda x, w: conv2d(x, w, **kw, implementation="xla"), x, w)[1](ct)  # noqa: E731
+    convs = [ln for ln in jax.jit(bwd).lower(x, w, ct).as_text().splitlines() if "convolution" in ln]
+    assert len(convs) == 2, convs  # dgrad and wgrad (the unused forward is dropped)
+    assert all("f32" not in ln for ln in convs), convs
+    _, vjp32 = jax.vjp(lambda x, w: reference.conv2d(x, w, **kw), x.astype(jnp.float32), w.astype(jnp.float32))
+    for g, e in zip(bwd(x, w, ct), vjp32(ct.astype(jnp.float32))):
+        assert g.dtype == jnp.bfloat16
+        s = max(1.0, float(jnp.max(jnp.abs(e))))
+        chex.assert_trees_all_close(g.astype(jnp.float32), e, atol=2e-2 * s, rtol=2e-2)
+
+
 @pytest.mark.parametrize("w_batched", [False, True])
 def test_conv2d_vmap_pallas(w_batched):
     xb = _normal(0, (2, 1, 9, 11, 4))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import math
 import warnings
 from typing import Any, Callable, Sequence
@@ -213,6 +214,20 @@ def sm_version() -> int:
     return 90
 
 
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels are built for: the abstract device's
+    core count when lowering from a CPU machine, else the default GPU's; ``GPU_NUM_CORES``
+    (an H200) in interpret mode, where it only changes how work is split, not results."""
+    try:
+        dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    except Exception:  # pragma: no cover - older API
+        dev = None
+    n = getattr(dev, "num_cores", None) if dev is not None and getattr(dev, "platform", None) == "cuda" else None
+    if not n and jax.default_backend() == "gpu":
+        n = getattr(jax.devices()[0], "core_count", None)
+    return int(n) if n else GPU_NUM_CORES
+
+
 def _check_can_run(name: str, interpret: bool) -> None:
     if interpret or _has_abstract_gpu():
         return
@@ -238,6 +253,7 @@ def call(
     transcendentals: int = 0,
     bytes_accessed: int = 0,
     input_output_aliases: dict[int, int] | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> Callable[..., Any]:
     """``pl.pallas_call`` with jaxbwd's conventions: whole-array refs (kernels index and
     mask their own tiles), a name, a cost estimate and Triton compiler parameters; inside
@@ -245,7 +261,10 @@ def call(
 
     ``input_output_aliases`` ({input index: output index}): the output is written in the
     input's buffer (XLA copies the input first where it is still needed elsewhere), so a
-    kernel may leave parts of it untouched."""
+    kernel may leave parts of it untouched.
+
+    ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
+    call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
     _check_can_run(name, interpret)
 
     def launch(*args):
@@ -255,6 +274,8 @@ def call(
             return _launch(args, out)
         finally:
             _INTERPRETING.reset(token)
+
+    extra = {"metadata": dict(metadata)} if metadata and _PALLAS_CALL_HAS_METADATA else {}
 
     def _launch(args, out):
         return pl.pallas_call(
@@ -268,9 +289,13 @@ def call(
             cost_estimate=pl.CostEstimate(
                 flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(bytes_accessed)
             ),
+            **extra,
         )(*args)
 
     return launch
+
+
+_PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).parameters
 
 
 def _vary_together(args, out_shape):

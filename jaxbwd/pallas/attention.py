@@ -21,7 +21,10 @@ Exponentials are ``exp2`` of base-2 logits, ``log2(e)`` folded into the scale (s
 ``_logits``); ``lse`` is stored in natural units.
 Causal and sliding-window masks bound the loops, and so do segment ids (each block's
 range of ids gives the range of blocks that can match: ``segment_block_bounds``), so fully
-masked blocks are skipped; the masks are also applied per element. A query row that sees no key has lse = -inf,
+masked blocks are skipped; in the forward and dq kernels the per-element mask is applied
+only on the blocks that need one (the causal diagonal, sequence tails, window edges, segment
+ids): their loops are split into an unmasked and a masked range (dk/dv, and dq for f32,
+mask every block: a second loop body spills there). A query row that sees no key has lse = -inf,
 output 0 and zero gradients (the masked ``where`` never lets exp(-inf + inf) through).
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
 NEG_INF = float("-inf")
 _LN2 = math.log(2.0)
@@ -83,8 +87,12 @@ def block_sizes(block_q: int, block_k: int):
         _BLOCKS.reset(token)
 
 
-def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
-    """(block_q, block_k, num_warps) for kernel ``kind``: "fwd", "dkdv", "dq" or "jvp".
+_KERNEL = {"fwd": "attention_fwd", "dkdv": "attention_bwd_dkdv", "dq": "attention_bwd_dq", "jvp": "attention_jvp"}
+
+
+def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
+    """The tuning table's configuration of kernel ``kind`` ("fwd", "dkdv", "dq" or "jvp"),
+    block sizes replaced by ``block_sizes`` when set.
 
     Head dims over 64 run 8 warps (two warpgroups). Hopper's wgmma splits a dot's M rows
     between the warpgroups only when M >= 128; with 64-row accumulators both warpgroups
@@ -94,34 +102,21 @@ def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
     S element halved, no spills). Not on sm_80 (mma.sync is per warp: no replica, and 128
     rows take 255 registers), not for f32 (spills, and over A100's shared memory), and not
     for dk/dv: its two [block_k, H] f32 accumulators at block_k = 128 need 128 registers per
-    thread by themselves and the kernel spills.
+    thread by themselves and the kernel spills. 16-bit dk/dv on sm_90 instead keeps 64 key
+    rows on 4 warps, one warpgroup: no replica either (255 registers at head_dim 128, no
+    spills). The table is ``_tuning``'s.
     """
+    cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
-    bq_cap = max(16, C.next_pow2(d.T))
-    bk_cap = max(16, C.next_pow2(d.S))
-    num_warps = 4 if d.Hp <= 64 else 8
     if over is not None:
-        bq, bk = over
-    elif kind == "fwd":
-        bq, bk = (128, 64) if d.Hp <= 128 else (64, 32)
-    elif kind == "jvp":
-        # The forward's loop with twice the tiles (k, v, dk, dv per key block; q, dq, o per
-        # query block) and twice the live [block_q, block_k] values (P and dS): the forward's
-        # 128x64 tiles need 288 KB of shared memory in f32 and spill on sm_80 and at 4 warps.
-        wide = num_warps == 8 and jnp.dtype(dtype).itemsize == 2 and C.sm_version() >= 90
-        bq, bk = (128, 64) if wide and d.Hp <= 128 else (64, 32)
+        cfg = dataclasses.replace(cfg, block_m=over[0], block_n=over[1])
+    return cfg
 
-    elif d.Hp > 128:
-        bq, bk = 32, 32
-    elif kind == "dq" and num_warps == 8 and jnp.dtype(dtype).itemsize == 2 and C.sm_version() >= 90:
-        bq, bk = 128, 64
-    else:
-        bq, bk = 64, 64
-    if over is None and jnp.dtype(dtype) == jnp.float32 and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
-        bq, bk = min(bq, 64), min(bk, 32)  # 3xTF32 splits each tile in two: halve them
-    if over is None:
-        bq, bk = min(bq, bq_cap), min(bk, bk_cap)
-    return bq, bk, num_warps
+
+def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
+    """(block_q, block_k, num_warps) of kernel ``kind`` (see ``_config``)."""
+    cfg = _config(d, kind, dtype)
+    return cfg.block_m, cfg.block_n, cfg.num_warps
 
 
 def _cdiv_traced(x, n: int):
@@ -153,6 +148,19 @@ def _q_range(d: Dims, c0, bq: int, bk: int):
     else:
         hi = C.cdiv(d.T, bq)
     return lo, hi
+
+
+def _unmasked_kv_end(d: Dims, r0, bq: int, bk: int, lo, hi):
+    """End m of the key blocks [lo, m) that need no mask for query rows [r0, r0 + bq):
+    whole blocks inside S and, under causality, left of the diagonal block; ``lo`` (none)
+    with a window or segment ids. The rest [m, hi) takes the per-element mask. Query rows
+    past T need none: their q is zero, their results are never stored."""
+    if d.segments or d.window is not None:
+        return lo
+    m = d.S // bk
+    if d.causal:
+        m = jnp.minimum(m, lax.div(r0 + 1, bk))
+    return jnp.maximum(lo, jnp.minimum(hi, m))
 
 
 def segment_block_bounds(seg_rows, seg_cols, block_rows: int, block_cols: int):
@@ -226,8 +234,13 @@ def _tile(ref, b, L, rows, head, H, Hp, rmask):
 
 def _query_block(d: Dims, bq: int):
     """Where a program over (query block i, b*N + n) works: i, bh, b, n, its kv head, the
-    query rows and their in-bounds mask (the forward, dq and jvp kernels share this grid)."""
+    query rows and their in-bounds mask (the forward, dq and jvp kernels share this grid).
+
+    Causal: the grid runs the query blocks of each head last-first, the heaviest (they see
+    the most keys) launched first, so that the light ones fill the last wave's gaps."""
     i, bh = pl.program_id(0), pl.program_id(1)
+    if d.causal:
+        i = C.cdiv(d.T, bq) - 1 - i
     b, n = bh // d.N, bh % d.N
     rows = i * bq + jnp.arange(bq)
     return i, bh, b, n, n // d.G, rows, rows < d.T
@@ -251,16 +264,16 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
     q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
-    def body(j, carry):
+    def body(j, carry, masked: bool):
         acc, m, l = carry
         cols = j * bk + jnp.arange(bk)
         cmask = cols < d.S
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
         s, _ = _logits(d, q, k)  # base 2: m and the exponents below are too
-        mask = _mask(d, rows, cols, qs, ks)
-        s = jnp.where(mask, s, NEG_INF)
+        if masked:
+            _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+            s = jnp.where(_mask(d, rows, cols, qs, ks), s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -270,8 +283,10 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
         return acc, m_new, l
 
     lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
+    mid = _unmasked_kv_end(d, i * bq, bq, bk, lo, hi)
     init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), init)
+    acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     seen = l > 0.0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
     C.store(o_ref, q_idx, out, q_mask)
@@ -293,14 +308,15 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     Returns:
       out [B*T, N*H] in q's dtype and lse [B*N, T] float32 (-inf for rows that see no key).
     """
-    bq, bk, nw = _blocks(d, "fwd", q2.dtype)
+    cfg = _config(d, "fwd", q2.dtype)
+    bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2) + segs
     out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
     kernel = functools.partial(_fwd_kernel, d=d, bq=bq, bk=bk)
     return C.call(
         kernel, name="attention_fwd", grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=out_shape,
-        interpret=interpret, num_warps=nw, num_stages=2, flops=_flops(d),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d), metadata={"s_tile": f"{bq}x{bk}"},
         transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
         bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2) + 4 * d.B * d.N * d.T,
     )(*inputs)
@@ -308,9 +324,12 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
 
 # --------------------------------------------------------------------------- backward
 def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
-    """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile."""
+    """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile;
+    ``mask`` None for a block that needs none."""
     s, t = _logits(d, q, k)
-    p = jnp.where(mask, jnp.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
+    p = jnp.exp2(s - (lse * C.LOG2E)[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
     dp = C.dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     if t is not None:
@@ -335,7 +354,7 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
     def head(g, carry):
         n = kvh * d.G + g
 
-        def body(i, carry):
+        def body(i, carry, masked: bool):
             dk, dv = carry
             rows = i * bq + jnp.arange(bq)
             rmask = rows < d.T
@@ -343,13 +362,18 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
             _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
             lse = C.load(lse_ref, (b * d.N + n, rows), rmask)
             delta = C.load(delta_ref, (b * d.N + n, rows), rmask)
-            qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
-            p, ds = _p_ds(d, q, k, v, do, lse, delta, _mask(d, rows, cols, qs, ks))
+            mask = None
+            if masked:
+                qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
+                mask = _mask(d, rows, cols, qs, ks)
+            p, ds = _p_ds(d, q, k, v, do, lse, delta, mask)
             dv = dv + C.dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + C.dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
-        return lax.fori_loop(lo, hi, body, carry)
+        # Always masked: a second, unmasked copy of this loop body (the blocks below the
+        # causal diagonal) compiled to 255 registers and spills on H200 at head_dim 128.
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
 
     zeros = jnp.zeros((bk, d.Hp), jnp.float32)
     dk, dv = lax.fori_loop(0, d.G, head, (zeros, zeros))
@@ -369,17 +393,26 @@ def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
     delta = C.load(delta_ref, (bh, rows), rmask)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
-    def body(j, dq):
+    def body(j, dq, masked: bool):
         cols = j * bk + jnp.arange(bk)
         cmask = cols < d.S
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
-        _, ds = _p_ds(d, q, k, v, do, lse, delta, _mask(d, rows, cols, qs, ks))
+        mask = None
+        if masked:
+            _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
+            mask = _mask(d, rows, cols, qs, ks)
+        _, ds = _p_ds(d, q, k, v, do, lse, delta, mask)
         return dq + C.dot(ds.astype(k.dtype), k)
 
     lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, d.Hp), jnp.float32))
+    dq = jnp.zeros((bq, d.Hp), jnp.float32)
+    if q_ref.dtype != jnp.float32:
+        mid = _unmasked_kv_end(d, i * bq, bq, bk, lo, hi)
+        dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), dq)
+        lo = mid
+    # f32 keeps one masked loop: the unmasked copy adds spills at 255 registers (H200, head_dim 80).
+    dq = lax.fori_loop(lo, hi, functools.partial(body, masked=True), dq)
     C.store(dq_ref, q_idx, dq * d.scale, q_mask)
 
 
@@ -393,23 +426,27 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         (o2.astype(jnp.float32) * do2.astype(jnp.float32)).reshape(d.B, d.T, d.N, d.H), axis=-1
     ).transpose(0, 2, 1).reshape(d.B * d.N, d.T)
     base = (q2, k2, v2, do2, lse, delta)
-    bq, bk, nw = _blocks(d, "dkdv", q2.dtype)
+    cfg = _config(d, "dkdv", q2.dtype)
+    bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
     nbytes = C.nbytes(*base)
     dkdv = C.call(
         functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dkdv",
         grid=(C.cdiv(d.S, bk), d.B * d.K),
         out_shape=[jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)],
-        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * _flops(d),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
         transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(k2, v2),
+        metadata={"s_tile": f"{bk}x{bq}"},
     )
     dk, dv = dkdv(*kv_inputs)
-    bq, bk, nw = _blocks(d, "dq", q2.dtype)
+    cfg = _config(d, "dq", q2.dtype)
+    bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     inputs = base + ((qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ())
     dq = C.call(
         functools.partial(_dq_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dq",
         grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
-        interpret=interpret, num_warps=nw, num_stages=2, flops=int(1.5 * _flops(d)),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=int(1.5 * _flops(d)),
+        metadata={"s_tile": f"{bq}x{bk}"},
         transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(q2),
     )(*inputs)
     return dq, dk, dv
@@ -467,13 +504,14 @@ def attention_jvp(q2, k2, v2, qseg, kseg, o2, lse, dq2, dk2, dv2, d: Dims, *, in
     Returns:
       dO [B*T, N*H] in q's dtype.
     """
-    bq, bk, nw = _blocks(d, "jvp", q2.dtype)
+    cfg = _config(d, "jvp", q2.dtype)
+    bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2, o2, lse, dq2, dk2, dv2) + segs
     return C.call(
         functools.partial(_jvp_kernel, d=d, bq=bq, bk=bk), name="attention_jvp",
         grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
-        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * _flops(d),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
         transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
         bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2),
     )(*inputs)

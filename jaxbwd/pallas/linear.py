@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
 
 def _column_sum_kernel(dy_ref, out_ref, *, t: C.RowTiling, n_iter: int, G: int):
@@ -29,18 +30,22 @@ def _column_sum_kernel(dy_ref, out_ref, *, t: C.RowTiling, n_iter: int, G: int):
 
 
 def column_sum_f32(dy, *, interpret: bool = False):
-    """Sum of ``dy`` [R, D] over its rows with f32 accumulation; returns [D] float32."""
+    """Sum of ``dy`` [R, D] over its rows with f32 accumulation; returns [D] float32.
+
+    Tiles (``_tuning`` ``bias_add_dbias``): narrow column blocks, tall row blocks, so each
+    program streams a thin vertical strip; the row splits G per column block come from the
+    compiled occupancy (``_tuning.split``: one wave at most)."""
     R, D = dy.shape
-    # Narrow column blocks, tall row blocks: each program streams a thin vertical strip.
-    block_cols = min(C.next_pow2(D), 256)
-    t = C.RowTiling(R, D, block_rows=min(32, C.next_pow2(R)), block_cols=block_cols, num_warps=4)
+    cfg = _tuning.column_sum(dy.dtype)
+    t = C.RowTiling(R, D, block_rows=min(cfg.block_m, C.next_pow2(R)), block_cols=min(cfg.block_n, C.next_pow2(D)),
+                    num_warps=cfg.num_warps)
     n_col = t.num_col_blocks
-    G = max(1, min(t.num_row_blocks, C.PERSISTENT_PROGRAMS // n_col))
+    G = _tuning.split(n_col, t.num_row_blocks, cfg)
     n_iter = C.cdiv(t.num_row_blocks, G)
     part = C.call(
         functools.partial(_column_sum_kernel, t=t, n_iter=n_iter, G=G),
         name="bias_add_dbias", grid=(n_col, G),
         out_shape=jax.ShapeDtypeStruct((G, D), jnp.float32), interpret=interpret,
-        num_warps=t.num_warps, flops=R * D, bytes_accessed=C.nbytes(dy) + 4 * G * D,
+        num_warps=t.num_warps, num_stages=cfg.num_stages, flops=R * D, bytes_accessed=C.nbytes(dy) + 4 * G * D,
     )(dy)
     return part.sum(axis=0)

@@ -1,7 +1,6 @@
 """Backward kernels of rms_norm and layer_norm.
 
-One kernel computes dx and the weight/bias gradient partials. Its grid is persistent:
-``G`` programs each walk row blocks ``pid, pid + G, ...``. Per row block it recomputes
+One kernel computes dx and the weight/bias gradient partials. Per row it recomputes
 x_hat from x and the saved f32 statistics (mean, rstd) instead of reading a saved
 normalised x, then
 
@@ -10,10 +9,17 @@ normalised x, then
     dw += sum_rows(dy * x_hat),   db += sum_rows(dy)
 
 (the standard normalisation backward, e.g. Ba et al. 2016 for LayerNorm and Zhang &
-Sennrich 2019 for RMSNorm). Each program writes its own row of an f32 [G, D] partial
-buffer, summed afterwards by XLA: deterministic, no atomics. When a row fits in one
-tile the partials stay in registers across the program's rows; otherwise each program
-read-modify-writes its own partial row, which is private to it and so race-free.
+Sennrich 2019 for RMSNorm).
+
+Grid (column chunks, G). A row of up to ``block_n`` columns (the tuning table's, 8192) is one
+chunk: program (0, g) holds it in registers, one read of x and dy, one write of dx. Wider
+rows are cut into chunks, one program per chunk and row set; each program still needs the
+full-row sums, so it reads the other chunks of its rows once more for them (its neighbours
+in the grid read the same rows at the same time, so those reads mostly hit L2) and writes
+dx only for its own chunk. Program (j, g) walks rows g, g + G, ... (a persistent grid, G
+from the compiled occupancy: ``_tuning.split``), keeps its dw/db partials and its chunk of
+the weight in registers for all its rows, and writes them once to row g of an f32 [G, D]
+buffer that XLA sums: deterministic, no atomics, no read-modify-write through memory.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
 
 def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_iter: int, G: int):
@@ -32,70 +39,51 @@ def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_ite
     else:
         x_ref, w_ref, dy_ref, rstd_ref, dx_ref, dw_ref = refs
         mean_ref = db_ref = None
-    pid = pl.program_id(0)
-    single = t.num_col_blocks == 1
+    j, g = pl.program_id(0), pl.program_id(1)
+    n_chunks = t.num_col_blocks
     inv_d = 1.0 / t.n_cols
+    cols = j * t.block_cols + jnp.arange(t.block_cols)
+    cmask = cols < t.n_cols
+    # The weight chunk is the same for every row: held in registers when the row is one chunk
+    # (with several chunks the registers go to the other chunks' sums; w then comes from L1).
+    w_chunk = lambda: (C.load(w_ref, cols, cmask) + offset)[None, :]  # noqa: E731
+    w_hoisted = w_chunk() if n_chunks == 1 else None
 
-    if not single:  # zero this program's partial rows before read-modify-write
-        def zero_body(j, c):
-            cols = j * t.block_cols + jnp.arange(t.block_cols)
-            cmask = cols < t.n_cols
-            z = jnp.zeros((t.block_cols,), jnp.float32)
-            C.store(dw_ref, (pid, cols), z, cmask)
-            if centered:
-                C.store(db_ref, (pid, cols), z, cmask)
-            return c
-
-        jax.lax.fori_loop(0, t.num_col_blocks, zero_body, 0)
+    def chunk_sums(rows, rmask, mean, rstd, jj):
+        """Row sums of x_hat * wdy (and wdy) over another column chunk ``jj`` of the rows."""
+        c = jj * t.block_cols + jnp.arange(t.block_cols)
+        m = rmask[:, None] & (c < t.n_cols)[None, :]
+        xh = (C.load_tile(x_ref, rows, c, m) - mean) * rstd
+        wdy = (C.load(w_ref, c, c < t.n_cols) + offset)[None, :] * C.load_tile(dy_ref, rows, c, m)
+        s = (jnp.sum(xh * wdy, axis=1),)
+        return s + (jnp.sum(wdy, axis=1),) if centered else s
 
     def row_block(it, acc):
-        rb = pid + it * G
-        rows = rb * t.block_rows + jnp.arange(t.block_rows)
+        rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows)
         rmask = rows < t.n_rows
+        mask = rmask[:, None] & cmask[None, :]
         rstd = C.load(rstd_ref, rows, rmask)[:, None]
         mean = C.load(mean_ref, rows, rmask)[:, None] if centered else 0.0
+        dy = C.load_tile(dy_ref, rows, cols, mask)
+        xhat = (C.load_tile(x_ref, rows, cols, mask) - mean) * rstd
+        wdy = (w_hoisted if n_chunks == 1 else w_chunk()) * dy
+        sums = (jnp.sum(xhat * wdy, axis=1),) + ((jnp.sum(wdy, axis=1),) if centered else ())
+        if n_chunks > 1:
+            def other(k, s):
+                jj = C.imod(j + k, n_chunks)
+                return tuple(a + b for a, b in zip(s, chunk_sums(rows, rmask, mean, rstd, jj)))
 
-        def load_chunk(j):
-            _, cols, mask = C.tile_index(rb, j, t)
-            x = C.load_tile(x_ref, rows, cols, mask)
-            dy = C.load_tile(dy_ref, rows, cols, mask)
-            w = C.load(w_ref, cols, cols < t.n_cols) + offset
-            xhat = (x - mean) * rstd
-            return cols, mask, xhat, dy, w[None, :] * dy
-
-        def row_sums(tiles):
-            _, _, xhat, _, wdy = tiles
-            s = (jnp.sum(xhat * wdy, axis=1),)
-            return s + (jnp.sum(wdy, axis=1),) if centered else s
-
-        def write_chunk(j, tiles, sums):
-            cols, mask, xhat, dy, wdy = tiles
-            c1 = sums[0][:, None] * inv_d
-            corr = xhat * c1 + (sums[1][:, None] * inv_d if centered else 0.0)
-            C.store_tile(dx_ref, rows, cols, (wdy - corr) * rstd, mask)
-            dw = jnp.sum(dy * xhat, axis=0)
-            db = jnp.sum(dy, axis=0) if centered else None
-            if single:
-                return dw, db
-            cmask = cols < t.n_cols
-            C.store(dw_ref, (pid, cols), C.load(dw_ref, (pid, cols), cmask) + dw, cmask)
-            if centered:
-                C.store(db_ref, (pid, cols), C.load(db_ref, (pid, cols), cmask) + db, cmask)
-            return None
-
-        out = C.row_reduce_then_write(t, load_chunk, row_sums, write_chunk)
-        if single:
-            return (acc[0] + out[0], acc[1] + out[1] if centered else acc[1])
-        return acc
+            sums = jax.lax.fori_loop(1, n_chunks, other, sums)
+        corr = xhat * (sums[0][:, None] * inv_d) + (sums[1][:, None] * inv_d if centered else 0.0)
+        C.store_tile(dx_ref, rows, cols, (wdy - corr) * rstd, mask)
+        dw = acc[0] + jnp.sum(dy * xhat, axis=0)
+        return (dw, acc[1] + jnp.sum(dy, axis=0)) if centered else (dw, acc[1])
 
     zeros = jnp.zeros((t.block_cols,), jnp.float32)
-    acc = jax.lax.fori_loop(0, n_iter, row_block, (zeros, zeros))
-    if single:
-        cols = jnp.arange(t.block_cols)
-        cmask = cols < t.n_cols
-        C.store(dw_ref, (pid, cols), acc[0], cmask)
-        if centered:
-            C.store(db_ref, (pid, cols), acc[1], cmask)
+    dw, db = jax.lax.fori_loop(0, n_iter, row_block, (zeros, zeros))
+    C.store(dw_ref, (g, cols), dw, cmask)
+    if centered:
+        C.store(db_ref, (g, cols), db, cmask)
 
 
 def norm_bwd(x, w, dy, mean, rstd, *, offset: float = 0.0, interpret: bool = False):
@@ -109,8 +97,9 @@ def norm_bwd(x, w, dy, mean, rstd, *, offset: float = 0.0, interpret: bool = Fal
     """
     R, D = x.shape
     centered = mean is not None
-    t = C.row_tiling(R, D)
-    G = min(t.num_row_blocks, C.PERSISTENT_PROGRAMS)
+    t, cfg = _tuning.norm_bwd(R, D, centered)
+    n_chunks = t.num_col_blocks
+    G = _tuning.split(n_chunks, t.num_row_blocks, cfg)
     n_iter = C.cdiv(t.num_row_blocks, G)
     part = jax.ShapeDtypeStruct((G, D), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((R, D), x.dtype), part] + ([part] if centered else [])
@@ -118,9 +107,10 @@ def norm_bwd(x, w, dy, mean, rstd, *, offset: float = 0.0, interpret: bool = Fal
     kernel = functools.partial(_norm_bwd_kernel, t=t, offset=float(offset), centered=centered, n_iter=n_iter, G=G)
     inputs = (x, w, dy) + ((mean,) if centered else ()) + (rstd,)
     outs = C.call(
-        kernel, name=name, grid=(G,), out_shape=out_shape, interpret=interpret,
-        num_warps=t.num_warps, flops=10 * R * D,
-        bytes_accessed=C.nbytes(*inputs) + C.nbytes(x) + 4 * G * D * len(out_shape[1:]),
+        kernel, name=name, grid=(n_chunks, G), out_shape=out_shape, interpret=interpret,
+        num_warps=t.num_warps, num_stages=cfg.num_stages, flops=(8 + 4 * n_chunks) * R * D,
+        bytes_accessed=C.nbytes(*inputs) + C.nbytes(x) * n_chunks + C.nbytes(dy) * (n_chunks - 1)
+        + 4 * G * D * len(out_shape[1:]),
     )(*inputs)
     dx, dw = outs[0], outs[1].sum(axis=0)
     db = outs[2].sum(axis=0) if centered else None

@@ -286,6 +286,14 @@ def _conv_forward(x, w, geo: conv_kernels.ConvGeometry, dt):
     )
 
 
+def _conv_xla(x, w, geo: conv_kernels.ConvGeometry):
+    """lax's convolution in the inputs' dtype at the default precision (for its transposes)."""
+    return jax.lax.conv_general_dilated(
+        x, w, window_strides=(geo.sh, geo.sw), padding=((geo.pt, geo.pb), (geo.pl, geo.pr)),
+        rhs_dilation=(geo.dh, geo.dw), dimension_numbers=_DN, feature_group_count=geo.groups,
+    )
+
+
 @functools.partial(custom_op, nondiff_argnums=(2, 3))
 def _conv2d(x, w, geo, impl):
     return _conv_forward(x, w, geo, B.acc_dtype(x, w)).astype(x.dtype)
@@ -302,11 +310,15 @@ def _conv2d_bwd(geo, impl, res, dy):
         dx = conv_kernels.conv2d_dgrad(dy, w, geo, interpret=impl.interpret)
         dw = conv_kernels.conv2d_wgrad(x, dy, geo, interpret=impl.interpret)
         return dx, dw.astype(w.dtype)
-    # XLA: the transposed convolutions of lax (cuDNN's dgrad / wgrad on GPU), accumulated
-    # in f32 (f64 for f64 inputs).
-    dt = B.acc_dtype(x, w)
-    _, vjp = jax.vjp(lambda a, b: _conv_forward(a, b, geo, dt), x.astype(dt), w.astype(dt))
-    dx, dw = vjp(dy.astype(dt))
+    # XLA: lax's transposed convolutions (cuDNN's dgrad / wgrad on GPU) on the inputs as
+    # they are, so that 16-bit inputs run 16-bit tensor-core convolutions: cuDNN accumulates
+    # 16-bit convolutions in f32 and rounds each gradient once to the input dtype, as the
+    # kernels do. f32 follows jax.default_matmul_precision like the kernels' dots (TF32 by
+    # default, 3xTF32/f32 under "highest"). lax's transpose rules keep the forward's
+    # preferred_element_type, so a forward with an f32 result would turn both backward
+    # convolutions into f32 ones: the primal here has none.
+    _, vjp = jax.vjp(lambda a, b: _conv_xla(a, b, geo), x, w)
+    dx, dw = vjp(dy)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -1,0 +1,111 @@
+"""Sweeps a few launch configurations of the hot kernels on the GPU at hand and writes the
+fastest per tuning-table key as JSON that ``jaxbwd.pallas._tuning.load`` reads
+(``JAXBWD_TUNING=path``); also times conv2d's backward against XLA's (cuDNN) in bf16.
+
+Attention (B=2, N=16, H=128, T=4096, causal, bf16) is timed fwd+bwd, so a dk/dv or dq
+configuration is judged by the whole step it changes; conv2d at the UNet shape
+[8, 64, 64, 320] * 3x3x320x320 (bf16) likewise. TFLOP/s: attention forward 4*B*N*T*S*H
+halved when causal, backward 2.5x the forward (FlashAttention convention); conv2d forward
+2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each. Needs a GPU.
+
+    python bench/tune.py --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxbwd
+from jaxbwd.bench import median_time
+from jaxbwd.pallas import _tuning
+
+F = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+SWEEPS = {  # key -> candidate (block_m, block_n, block_k, num_warps, num_stages)
+    "attention_fwd/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (128, 128, 0, 8, 2), (64, 64, 0, 4, 2)],
+    "attention_bwd_dq/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (64, 64, 0, 8, 2), (128, 32, 0, 8, 2)],
+    "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2)],
+    "conv2d_dgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3)],
+    "conv2d_wgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)],
+}
+
+
+def _attention_case():
+    B, T, N, H = 2, 4096, 16, 128
+    q, k, v, do = (jax.random.normal(jax.random.PRNGKey(i), (B, T, N, H), jnp.bfloat16) for i in range(4))
+    flops = 3.5 * 4 * B * N * T * T * H / 2
+    return (q, k, v, do), flops, {
+        "jaxbwd": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    }
+
+
+def _conv_case():
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64, 64, 320), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.PRNGKey(1), (3, 3, 320, 320))).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(2), (8, 64, 64, 320), jnp.bfloat16)
+    flops = 3 * 2 * 8 * 64 * 64 * 320 * 9 * 320
+    return (x, w, dy), flops, {
+        "jaxbwd": lambda x, w: jaxbwd.conv2d(x, w, padding=1, implementation="pallas"),
+        "xla": lambda x, w: jaxbwd.conv2d(x, w, padding=1, implementation="xla"),
+    }
+
+
+def _time(f, args, repeats):
+    *inputs, ct = args
+    step = jax.jit(lambda *a: jax.vjp(f, *a[:-1])[1](a[-1]))
+    return median_time(step, *inputs, ct, repeats=repeats, warmup=1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", metavar="PATH", required=True, help="where to write the fastest configurations")
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench/tune.py needs a GPU")
+        return 1
+    arch = _tuning.arch()
+    cases = {"attention": _attention_case(), "conv2d": _conv_case()}
+    best, log = {}, []
+    for key, candidates in SWEEPS.items():
+        inputs, flops, impls = cases[key.split("_")[0]]
+        timed = []
+        for c in candidates:
+            over = {f: v for f, v in zip(F, c) if v}
+            try:
+                with _tuning.use({arch: {key: over}}):
+                    t = _time(impls["jaxbwd"], inputs, args.repeats)
+            except Exception as e:  # a configuration over the shared memory or register limits
+                print(f"{key:32s} {c}  failed: {type(e).__name__}")
+                continue
+            timed.append((t, over))
+            log.append({"key": key, "config": over, "ms": t * 1e3, "tflop_s": flops / t / 1e12})
+            print(f"{key:32s} {c}  {t * 1e3:8.3f} ms  {flops / t / 1e12:6.1f} TFLOP/s")
+        if timed:
+            best[key] = min(timed, key=lambda r: r[0])[1]
+    with _tuning.use({arch: best}):
+        for name, (inputs, flops, impls) in cases.items():
+            for impl, f in impls.items():
+                try:
+                    t = _time(f, inputs, args.repeats)
+                except Exception as e:  # e.g. no cuDNN attention for this GPU
+                    print(f"{name:9s} {impl:7s} failed: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                log.append({"case": name, "impl": impl, "ms": t * 1e3, "tflop_s": flops / t / 1e12})
+                print(f"{name:9s} {impl:7s} fwd+bwd {t * 1e3:8.3f} ms  {flops / t / 1e12:6.1f} TFLOP/s")
+    with open(args.json, "w") as fh:
+        json.dump({arch: best}, fh, indent=1)
+    with open(args.json.replace(".json", "") + "_log.json", "w") as fh:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "rows": log}, fh, indent=1)
+    print(f"wrote {args.json} (load with JAXBWD_TUNING={args.json})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

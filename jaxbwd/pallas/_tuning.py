@@ -1,0 +1,253 @@
+"""Launch configurations of jaxbwd's hot kernels, per GPU architecture, in one table.
+
+A kernel asks for its configuration with the shapes it was given; a heuristic here turns
+the shapes into a *variant* (e.g. ``"16bit"``, ``"h128/16bit"``, ``"d8192"``) and the table
+gives the block sizes, warps and pipeline stages for the current architecture
+(``_common.sm_version``): ``sm_90`` (H100/H200) and ``sm_80`` (A100); ``sm_100`` (B200)
+takes the sm_90 entries, which are the ones compiled and checked for it so far.
+
+``blocks_per_sm`` is the occupancy the compiled kernel reaches at that configuration, read
+from its registers and shared memory by ``python -m jaxbwd compile`` (column ``blk/SM``).
+Grids that are persistent or split along a reduction are sized from it and the SM count
+by one helper, :func:`split`; the compile gates (``tests/test_compile.py``) check that the
+norms' and bias_add's compiled kernels still reach the occupancy the table assumes (their
+persistent grids stay within one wave).
+
+A JSON file of measured winners (``bench/gpu_check.sh`` writes one) overrides entries:
+``{"sm_90": {"conv2d_dgrad/16bit": {"block_k": 128, "num_stages": 4}}}``; it is read from
+``$JAXBWD_TUNING`` at import, by :func:`load`, or applied for a block with :func:`use`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Iterator, Mapping
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxbwd.pallas import _common as C
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One kernel's launch configuration.
+
+    ``block_m``/``block_n``/``block_k``: the tile of the kernel's main product or loop
+    (each kernel's docstring says which dimension is which); ``num_warps``/``num_stages``:
+    Triton's; ``blocks_per_sm``: resident blocks per SM of the compiled kernel.
+    """
+
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    blocks_per_sm: int = 1
+
+
+_ = Config
+# Attention: block_m = query rows, block_n = key rows, 2 stages (as compiled so far; more
+# stages are among the configurations bench/tune.py sweeps on a GPU). 8 warps from head_dim
+# 65, except where two warpgroups would compute the same 64 rows (see attention._config).
+_ATTENTION = {
+    "attention_fwd/h64": _(128, 64, num_warps=4, num_stages=2),
+    "attention_fwd/h128": _(128, 64, num_warps=8, num_stages=2),
+    "attention_fwd/h256": _(64, 32, num_warps=8, num_stages=2),
+    "attention_bwd_dkdv/h64": _(64, 64, num_warps=4, num_stages=2),
+    "attention_bwd_dkdv/h128": _(64, 64, num_warps=8, num_stages=2),
+    "attention_bwd_dkdv/h256": _(32, 32, num_warps=8, num_stages=2),
+    "attention_bwd_dq/h64": _(64, 64, num_warps=4, num_stages=2),
+    "attention_bwd_dq/h128": _(64, 64, num_warps=8, num_stages=2),
+    "attention_bwd_dq/h256": _(32, 32, num_warps=8, num_stages=2),
+    # jax.jvp's tangent pass: the forward's loop with twice the tiles (k, v, dk, dv per key
+    # block; q, dq, o per query block) and twice the live score tiles (P and dS). The
+    # forward's 128 x 64 tiles need 288 KB of shared memory in f32 and spill on sm_80 and at
+    # 4 warps (compiled, H200 and A100); 16-bit on sm_90 at head_dim <= 128 keeps them.
+    "attention_jvp/h64": _(64, 32, num_warps=4, num_stages=2),
+    "attention_jvp/h128": _(64, 32, num_warps=8, num_stages=2),
+    "attention_jvp/h256": _(64, 32, num_warps=8, num_stages=2),
+}
+
+TABLE: dict[str, dict[str, Config]] = {
+    "sm_90": {
+        **_ATTENTION,
+        # 16-bit dq at 128 query rows: no warpgroup replica, no spills (compiled, H200).
+        "attention_bwd_dq/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
+        # 16-bit dk/dv: one warpgroup on its 64 key rows instead of two computing the same
+        # rows (compiled, H200, head_dim 128: 255 registers, no spills, 2 blocks per SM;
+        # main loop 41.9 -> 19.6 instructions per S element, HGMMA 40 -> 24).
+        "attention_bwd_dkdv/h128/16bit": _(64, 64, num_warps=4, num_stages=2),
+        "attention_jvp/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
+        # conv2d: dgrad M = input pixels, N = input channels, K = (tap, output channel);
+        # wgrad M = input channels, N = output channels, K = output pixels.
+        # Compiled at the registry's UNet shapes (H200): 16-bit 96-118 registers, 2 blocks per
+        # SM (98 KB of shared memory each); f32 (TF32) 128-145 registers, 1 block.
+        "conv2d_dgrad/16bit": _(128, 128, 64, num_warps=8, num_stages=3, blocks_per_sm=2),
+        "conv2d_dgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_dgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
+        "conv2d_wgrad/16bit": _(128, 128, 64, num_warps=8, num_stages=3, blocks_per_sm=2),
+        "conv2d_wgrad/f32": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_wgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
+        # Norm backward: block_n columns (one column chunk) per row, 16 elements per thread
+        # and operand; wider rows are chunked (compiled at 16 warps: 113-128 registers).
+        "norm_bwd": _(1, 8192, num_warps=16, blocks_per_sm=1),
+        "norm_bwd/rms/c4096": _(1, 8192, num_warps=16, blocks_per_sm=2),  # 117-123 registers
+        # bias_add: block_m rows x block_n columns per step; 64 / 91 registers.
+        "bias_add_dbias/16bit": _(32, 256, num_warps=4, blocks_per_sm=8),
+        "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
+    },
+    "sm_80": {
+        **_ATTENTION,
+        # A100 (compiled): 125-155 registers, one 8-warp block per SM.
+        "conv2d_dgrad/16bit": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_dgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_dgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
+        "conv2d_wgrad/16bit": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
+        "conv2d_wgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=2),  # 122-127 registers
+        "conv2d_wgrad/depthwise": _(64, 128, num_warps=4, num_stages=3, blocks_per_sm=4),
+        # sm_80 compiles the same row code at about twice sm_90's registers (215-255 at
+        # 4096 columns on 8 warps; 16 warps at 8192 spill): chunks of 4096.
+        "norm_bwd": _(1, 4096, num_warps=8, blocks_per_sm=1),
+        "bias_add_dbias/16bit": _(32, 256, num_warps=4, blocks_per_sm=8),
+        "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
+    },
+}
+TABLE["sm_100"] = dict(TABLE["sm_90"])
+
+_OVERRIDES: dict[str, dict[str, dict]] = {}
+
+
+def arch() -> str:
+    """The table's key for the GPU being built for: ``"sm_100"``, ``"sm_90"`` or ``"sm_80"``."""
+    sm = C.sm_version()
+    return "sm_100" if sm >= 100 else "sm_90" if sm >= 90 else "sm_80"
+
+
+def get(key: str) -> Config:
+    """The table entry ``key`` (``"kernel/variant"``) for the current architecture, with any
+    loaded override applied; a variant missing from the table falls back to its shorter
+    prefixes (``"a/b/c"`` -> ``"a/b"`` -> ``"a"``)."""
+    a = arch()
+    table = TABLE[a]
+    k = key
+    while k not in table and "/" in k:
+        k = k.rsplit("/", 1)[0]
+    if k not in table:
+        raise KeyError(f"jaxbwd: no launch configuration {key!r} for {a}")
+    cfg = table[k]
+    over = _OVERRIDES.get(a, {})
+    for k in (key.split("/")[0], k, key):  # the more specific the key, the later it applies
+        if k in over:
+            cfg = dataclasses.replace(cfg, **over[k])
+    return cfg
+
+
+def _check_overrides(data: Mapping) -> dict[str, dict[str, dict]]:
+    fields = {f.name for f in dataclasses.fields(Config)}
+    out: dict[str, dict[str, dict]] = {}
+    for a, entries in data.items():
+        if a not in TABLE:
+            raise ValueError(f"jaxbwd tuning: architecture must be one of {sorted(TABLE)}, got {a!r}")
+        for key, vals in entries.items():
+            bad = set(vals) - fields
+            if bad:
+                raise ValueError(f"jaxbwd tuning: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
+            out.setdefault(a, {})[key] = {k: int(v) for k, v in vals.items()}
+    return out
+
+
+def load(path: str) -> None:
+    """Reads measured configurations (JSON, see the module docstring) over the table."""
+    with open(path) as f:
+        for a, entries in _check_overrides(json.load(f)).items():
+            _OVERRIDES.setdefault(a, {}).update(entries)
+
+
+@contextlib.contextmanager
+def use(overrides: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Iterator[None]:
+    """Applies ``{arch: {key: {field: value}}}`` while tracing inside the block (config sweeps)."""
+    saved = {a: dict(e) for a, e in _OVERRIDES.items()}
+    for a, entries in _check_overrides(overrides).items():
+        _OVERRIDES.setdefault(a, {}).update(entries)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+if os.environ.get("JAXBWD_TUNING"):
+    load(os.environ["JAXBWD_TUNING"])
+
+
+# ------------------------------------------------------------------------ heuristics
+
+
+def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps: int = 1,
+          max_split: int | None = None) -> int:
+    """Programs per tile for ``tiles`` independent reductions of ``steps`` sequential steps
+    each (rows of a norm's weight gradient, a conv wgrad's pixel blocks): the one helper that
+    sizes persistent and split-K grids.
+
+    The GPU runs ``slots = cfg.blocks_per_sm * num_sms`` programs at once (the compiled
+    occupancy). Splitting each reduction over ``s`` programs takes
+    ``ceil(tiles * s / slots)`` waves of ``ceil(steps / s)`` steps; the smallest ``s``
+    minimising their product is chosen, with at most ``max_waves`` waves (1: a persistent
+    grid), at least ``min_steps`` steps per program (pipelining needs a few) and at most
+    ``max_split`` programs per tile (each writes a partial result).
+    """
+    slots = max(1, cfg.blocks_per_sm * C.num_sms())
+    hi = max(1, min(steps // max(1, min_steps), C.cdiv(max_waves * slots, max(1, tiles))))
+    if max_split is not None:
+        hi = max(1, min(hi, max_split))
+    if tiles * 1 > max_waves * slots:
+        return 1
+    best, best_s = None, 1
+    for s in range(1, hi + 1):
+        if tiles * s > max_waves * slots:
+            break
+        cost = C.cdiv(tiles * s, slots) * C.cdiv(steps, s)
+        if best is None or cost < best:
+            best, best_s = cost, s
+    return best_s
+
+
+def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
+    """Tiles of attention kernel ``kind`` ("attention_fwd", "attention_bwd_dkdv",
+    "attention_bwd_dq", "attention_jvp") at padded head dim ``Hp``: block_m query rows,
+    block_n key rows, capped at the (power-of-two padded) sequence lengths; halved under
+    3xTF32, which splits each f32 tile in two (shared memory)."""
+    h = 64 if Hp <= 64 else 128 if Hp <= 128 else 256
+    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    cfg = get(f"{kind}/h{h}/{bits}")
+    bq, bk = cfg.block_m, cfg.block_n
+    if bits == "f32" and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+        bq, bk = min(bq, 64), min(bk, 32)
+    bq, bk = min(bq, max(16, C.next_pow2(T))), min(bk, max(16, C.next_pow2(S)))
+    return dataclasses.replace(cfg, block_m=bq, block_n=bk)
+
+
+def column_sum(dtype) -> Config:
+    """Tiles of bias_add's column sum (block_m rows x block_n columns per step)."""
+    return get(f"bias_add_dbias/{'16bit' if jnp.dtype(dtype).itemsize == 2 else 'f32'}")
+
+
+def conv(kernel: str, dtype, depthwise: bool) -> Config:
+    """Tiles of ``conv2d_dgrad``/``conv2d_wgrad`` (dimensions in conv.py's docstring)."""
+    variant = "depthwise" if depthwise else "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    return get(f"{kernel}/{variant}")
+
+
+def norm_bwd(n_rows: int, n_cols: int, centered: bool = True) -> tuple[C.RowTiling, Config]:
+    """Row tiling of the norm backward (layer_norm when ``centered``, else rms_norm): whole
+    rows up to the table's ``block_n`` columns (wider rows are cut into that many-column
+    chunks, one per program), about 16 elements per thread and operand, several rows per
+    step when rows are short."""
+    block_cols = min(C.next_pow2(n_cols), get("norm_bwd").block_n)
+    cfg = get(f"norm_bwd/{'layer' if centered else 'rms'}/c{block_cols}")
+    block_rows = max(1, min(4096 // block_cols, 64, C.next_pow2(n_rows)))
+    warps = max(1, min(cfg.num_warps, block_rows * block_cols // 512))
+    return C.RowTiling(n_rows, n_cols, block_rows, block_cols, warps), cfg
