@@ -1,0 +1,266 @@
+"""Flash attention on Mosaic GPU for Hopper (sm_90): forward with logsumexp, dq and dk/dv.
+
+The same algorithm and residual contract as the Triton kernels (``jaxbwd/pallas/attention.py``:
+out, and lse in natural units, f32 [B*N, T]; FlashAttention-2 backward with ``delta =
+rowsum(out * dout)``), so either backend's backward accepts either forward's residuals.
+What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
+
+- TMA copies blocks of q, k, v (and do, lse, delta, segment ids) into 128-byte-swizzled
+  shared memory; wgmma reads its operands from there (the second operand always, the first
+  from registers for P and dS) and accumulates in f32 registers.
+- Warp specialization (FA3 Algorithm 1 for the forward, Algorithm 2's split for the
+  backward): per CTA, two consumer warpgroups own 64 rows each of the resident tile (q rows
+  in the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
+  operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
+  While one consumer computes its softmax the other's wgmma can run.
+- Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
+  converted to and from natural units at the edges.
+
+Tiles (``_plan``): 64 rows per consumer warpgroup (wgmma's M), 128 per CTA; the forward
+streams key blocks of 128 (head dim <= 128), the backward blocks of 64; two ring stages.
+Shared memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 128 KiB = 160
+KiB; dq 64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv 64 KiB k/v + 64 KiB ring = 128 KiB (of
+227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
+tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
+(``config.MOSAIC_KERNELS``): the backward's resident and streamed tiles would not fit.
+
+Masks (causal, sliding window, segment ids, the sequence tails) are applied to every tile;
+causal and window bounds limit the block range of a CTA (the union of its two consumers'
+ranges), segment ids do not (no block skipping on this path).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import attention as TA
+from jaxbwd.pallas.mosaic import _mgpu as M
+
+Dims = TA.Dims
+NEG_INF = float("-inf")
+_LN2 = math.log(2.0)
+BQ = M.WG_ROWS
+CTA_ROWS = M.WG_ROWS * M.CONSUMERS
+MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Tile sizes of one problem: streamed block ``bk`` (fwd), ``bk_bwd``, ring ``stages``,
+    padded ``Tp``, ``Sp``, ``Hp``."""
+
+    bk: int
+    bk_bwd: int
+    stages: int
+    Tp: int
+    Sp: int
+    Hp: int
+
+
+_BLOCK_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("jaxbwd_mosaic_block_k", default=None)
+
+
+@contextlib.contextmanager
+def block_k(bk: int):
+    """Overrides the streamed key block of every kernel (a multiple of 64) while tracing:
+    small test shapes then span several blocks and wrap the ring."""
+    if bk % 64:
+        raise ValueError(f"jaxbwd.dot_product_attention: Mosaic block_k must be a multiple of 64, got {bk}")
+    token = _BLOCK_K.set(int(bk))
+    try:
+        yield
+    finally:
+        _BLOCK_K.reset(token)
+
+
+def _plan(d: Dims) -> _Plan:
+    Hp = C.cdiv(d.H, 64) * 64
+    over = _BLOCK_K.get()
+    # 128 keys per step halves the forward's per-step overhead (barriers, row max/sum); the
+    # backward holds two [64, H] f32 accumulators and three [64, bk] tiles per thread: 64.
+    bk = over or (128 if d.S > 64 else 64)
+    bk_bwd = over or 64
+    Tp = C.cdiv(d.T, CTA_ROWS) * CTA_ROWS
+    Sp = C.cdiv(d.S, max(bk, CTA_ROWS)) * max(bk, CTA_ROWS)
+    return _Plan(bk, bk_bwd, 2, Tp, Sp, Hp)
+
+
+def supported(d: Dims, dtype) -> Optional[str]:
+    """None when these kernels run ``d`` with ``dtype`` inputs, else the reason."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"16-bit inputs only, got {jnp.dtype(dtype).name}"
+    if d.H > MAX_HEAD_DIM:
+        return f"head dim <= {MAX_HEAD_DIM}, got {d.H}"
+    return None
+
+
+# -------------------------------------------------------------------------- shared pieces
+def _scaled(d: Dims, s):
+    """Base-2 logits from f32 ``q k^T`` and, under a softcap, ``t = tanh(scale q k^T / c)``."""
+    if d.softcap is None:
+        return s * (d.scale * C.LOG2E), None
+    t = jnp.tanh(s * (d.scale / d.softcap))
+    return t * (d.softcap * C.LOG2E), t
+
+
+def _mask(d: Dims, r, c, qs, ks):
+    """Query rows ``r`` vs key columns ``c`` (int32 tiles); ``qs``/``ks`` segment id tiles."""
+    m = TA.position_mask((r < d.T) & (c < d.S), r, c, d.causal, d.window)
+    if qs is not None:
+        m = m & (qs == ks)
+    return m
+
+
+def _bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _views(d: Dims, p: _Plan, q2, k2, v2, qseg, kseg):
+    """[B, Tp, N, Hp] and [B, Sp, K, Hp] padded arrays from the [B*T, N*H] views."""
+    q = _pad_to(_pad_to(q2.reshape(d.B, d.T, d.N, d.H), 3, p.Hp), 1, p.Tp)
+    k = _pad_to(_pad_to(k2.reshape(d.B, d.S, d.K, d.H), 3, p.Hp), 1, p.Sp)
+    v = _pad_to(_pad_to(v2.reshape(d.B, d.S, d.K, d.H), 3, p.Hp), 1, p.Sp)
+    segs = ()
+    if d.segments:
+        segs = (_pad_to(qseg, 1, p.Tp, -1), _pad_to(kseg, 1, p.Sp, -2))
+    return q, k, v, segs
+
+
+def _unpad(x, d: Dims, L: int, heads: int):
+    return x[:, :L, :, : d.H].reshape(d.B * L, heads * d.H)
+
+
+# ----------------------------------------------------------------------------- forward
+def _fwd_body(*refs, d: Dims, p: _Plan):
+    nin = 5 if d.segments else 3
+    ins, (o_ref, lse_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
+    q_ref, k_ref, v_ref = ins[:3]
+    qs_ref, ks_ref = ins[3:] if d.segments else (None, None)
+    q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed = scratch
+    bk, st = p.bk, p.stages
+    qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kvh = lax.div(n, d.G)
+    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    wg = M.wg_index()
+
+    @M.when(wg == M.CONSUMERS)
+    def _producer():
+        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
+                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
+        if d.segments:
+            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < M.CONSUMERS)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        r0 = qi * CTA_ROWS + wg * BQ
+        qsm = q_smem.at[wg]
+        M.copy_gmem_to_smem(q_ref.at[b, M.ds(r0, BQ), n], qsm, q_bar.at[wg])
+        qs = None
+        if d.segments:
+            M.copy_gmem_to_smem(qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg], q_bar.at[M.CONSUMERS + wg])
+            M.barrier_wait(q_bar.at[M.CONSUMERS + wg])
+            qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), (BQ, bk))
+        M.barrier_wait(q_bar.at[wg])
+        rows = M.iota((BQ, bk), 0) + r0
+        cols0 = M.iota((BQ, bk), 1)
+
+        def step(j, slot, carry):
+            acc, m, l = carry
+            M.barrier_wait(k_bar.at[slot])
+            s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk)))
+            ks = None
+            if d.segments:
+                M.barrier_wait(ks_bar.at[slot])
+                ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), (BQ, bk))
+            s = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = jnp.exp2(m - m_safe)
+            pr = jnp.exp2(s - _bcast_rows(m_safe, (BQ, bk)))
+            l = l * alpha + pr.sum(axis=1)
+            acc = acc * _bcast_rows(alpha, (BQ, p.Hp))
+            M.barrier_wait(v_bar.at[slot])
+            acc = M.matmul(pr.astype(v_ring.dtype), v_ring.at[slot], None, acc=acc,
+                           stage=None if stage is None else stage.at[wg])
+            return acc, m_new, l
+
+        rl = M.Layout.WGMMA.reduce(1)
+        init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
+        acc, m, l = M.consume(lo, hi, st, consumed, step, init)
+        seen = l > 0.0
+        l_safe = jnp.where(seen, l, 1.0)
+        qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
+        # The residual in natural units: lse = ln(2) * (m2 + log2(l)).
+        lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, NEG_INF)
+        M.commit_smem()
+        M.copy_smem_to_gmem(qsm, o_ref.at[b, M.ds(r0, BQ), n])
+        M.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, M.ds(r0, BQ)])
+        M.wait_smem_to_gmem(0)
+
+
+def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
+    """Flash-attention forward on Mosaic GPU (FA3 Algorithm 1, warp specialized).
+
+    Args:
+      q2: [B*T, N*H] view of q; k2, v2: [B*S, K*H] views of k, v (bfloat16 or float16, H <=
+        128); qseg [B, T], kseg [B, S] int32, or ``None`` when ``d.segments`` is False.
+    Returns:
+      out [B*T, N*H] in q's dtype and lse [B*N, T] float32 in natural units (-inf for rows
+      that see no key): the Triton forward's residual contract.
+    Raises:
+      ValueError: a dtype or head dim these kernels do not cover (see :func:`supported`).
+    """
+    _check(d, q2.dtype)
+    p = _plan(d)
+    q, k, v, segs = _views(d, p, q2, k2, v2, qseg, kseg)
+    dt = q.dtype
+    scratch = [
+        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.tile_smem((p.stages, p.bk, p.Hp), dt),
+        M.tile_smem((p.stages, p.bk, p.Hp), dt),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.int32) if d.segments else None,
+        M.vec_smem((p.stages, p.bk), jnp.int32) if d.segments else None,
+        M.stage_smem((BQ, p.bk), dt, interpret),
+        M.barriers(2 * M.CONSUMERS),
+        M.barriers(p.stages),
+        M.barriers(p.stages),
+        M.barriers(p.stages) if d.segments else None,
+        M.barriers(p.stages, arrivals=M.CONSUMERS),
+    ]
+    out, lse = M.kernel(
+        functools.partial(_fwd_body, d=d, p=p), name="attention_fwd_mosaic",
+        out_type=[jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((d.B, d.N, p.Tp), jnp.float32)],
+        grid=(p.Tp // CTA_ROWS, d.N, d.B), grid_names=("q", "heads", "batch"), scratch=scratch,
+        interpret=interpret,
+    )(q, k, v, *segs)
+    return _unpad(out, d, d.T, d.N), lse[:, :, : d.T].reshape(d.B * d.N, d.T)
+
+
+def _check(d: Dims, dtype):
+    why = supported(d, dtype)
+    if why is not None:
+        raise ValueError(f"jaxbwd.dot_product_attention: the Mosaic GPU kernels need {why}")
