@@ -48,13 +48,15 @@ PALLAS_BACKENDS = ("triton", "mosaic")
 # Per-call spellings of a Pallas backend: ``implementation="pallas:mosaic"``.
 _PER_CALL = {f"pallas:{b}": b for b in PALLAS_BACKENDS}
 
-# Ops with a Mosaic GPU kernel: op -> {compute capability (major * 10 + minor) -> input dtypes}.
-# A generation not listed runs Triton. Triton stays the default for every op until GPU timing
-# (bench/gpu_check.sh) shows a Mosaic kernel ahead on that generation.
+# Ops with a Mosaic GPU kernel: op -> {compute capability (major * 10 + minor) -> what it
+# covers: input "dtypes" and the largest last dim of the first input ("max_last_dim", the
+# head dim for attention)}. A generation not listed runs Triton. Triton stays the default
+# for every op until GPU timing (bench/gpu_check.sh) shows a Mosaic kernel ahead there.
 MOSAIC_KERNELS = {
     # wgmma (sm_90a) with f32 accumulators; 16-bit inputs only (f32 would be tf32 in wgmma,
-    # below the f32 contract's accuracy).
-    "dot_product_attention": {90: ("bfloat16", "float16")},
+    # below the f32 contract's accuracy); head dims over 128 do not fit the backward's tiles
+    # in shared memory (jaxbwd/pallas/mosaic/attention.py).
+    "dot_product_attention": {90: {"dtypes": ("bfloat16", "float16"), "max_last_dim": 128}},
 }
 
 
@@ -204,14 +206,17 @@ def pallas_backend() -> str:
     return _current().pallas_backend
 
 
-def mosaic_supported(op: str, dtype, sm: int) -> bool:
+def mosaic_supported(op: str, dtype, sm: int, last_dim: Optional[int] = None) -> bool:
     """Whether ``MOSAIC_KERNELS`` has a Mosaic GPU kernel for ``op`` on compute capability
-    ``sm`` (major * 10 + minor) with inputs of ``dtype``."""
-    dtypes = MOSAIC_KERNELS.get(op, {}).get(int(sm))
-    return dtypes is not None and jax.numpy.dtype(dtype).name in dtypes
+    ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``."""
+    entry = MOSAIC_KERNELS.get(op, {}).get(int(sm))
+    if entry is None or dtype is None or jax.numpy.dtype(dtype).name not in entry["dtypes"]:
+        return False
+    return last_dim is None or last_dim <= entry.get("max_last_dim", last_dim)
 
 
-def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: int) -> str:
+def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: int,
+                           last_dim: Optional[int] = None) -> str:
     """The Pallas backend an op's kernels use, at trace time: ``"triton"`` or ``"mosaic"``.
 
     ``implementation="pallas:<backend>"`` names it per call; otherwise the settings do. Mosaic
@@ -224,12 +229,13 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
     """
     requested = _PER_CALL.get(implementation) if isinstance(implementation, str) else None
     backend = requested or pallas_backend()
-    if backend == "mosaic" and not mosaic_supported(op, dtype, sm):
+    if backend == "mosaic" and not mosaic_supported(op, dtype, sm, last_dim):
         if requested:
             have = {f"sm_{k}": v for k, v in MOSAIC_KERNELS.get(op, {}).items()}
             raise ValueError(
                 f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel for "
-                f"{jax.numpy.dtype(dtype).name} inputs on sm_{sm}; Mosaic kernels: {have or 'none'} "
+                f"{jax.numpy.dtype(dtype).name} inputs with last dim {last_dim} on sm_{sm}; "
+                f"Mosaic kernels: {have or 'none'} "
                 f"(use 'pallas' for the Triton kernels)"
             )
         return "triton"

@@ -49,8 +49,10 @@ def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
     if kind == "pallas":
         from jaxbwd.pallas import _common as C  # the GPU generation the kernels are built for
 
-        dtype = next((a.dtype for a in arrays if hasattr(a, "dtype")), None)
-        backend = config.resolve_pallas_backend(implementation, op, dtype, C.sm_version())
+        first = next((a for a in arrays if hasattr(a, "dtype")), None)
+        dtype = None if first is None else first.dtype
+        last_dim = first.shape[-1] if first is not None and first.ndim else None
+        backend = config.resolve_pallas_backend(implementation, op, dtype, C.sm_version(), last_dim)
     return Impl(kind, config.interpret(), backend)
 
 

@@ -204,6 +204,12 @@ def produce(lo, hi, stages: int, sources, consumed) -> None:
         for src, ring, loaded in sources:
             plgpu.copy_gmem_to_smem(src(step), ring.at[slot], loaded.at[slot])
 
+    # Drain: wait the last ``stages`` "consumed" phases too, so that the CTA ends with every
+    # barrier phase waited (no phase is left pending at exit).
+    @pl.loop(jnp.maximum(lo, hi - stages), hi)
+    def _(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step - lo, stages)])
+
 
 def consume(lo, hi, stages: int, consumed, body: Callable, carry):
     """A consumer warpgroup's loop over streamed blocks ``lo .. hi-1``: ``body(step, slot,

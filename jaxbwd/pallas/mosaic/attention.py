@@ -264,3 +264,209 @@ def _check(d: Dims, dtype):
     why = supported(d, dtype)
     if why is not None:
         raise ValueError(f"jaxbwd.dot_product_attention: the Mosaic GPU kernels need {why}")
+
+
+# ---------------------------------------------------------------------------- backward
+def _dq_body(*refs, d: Dims, p: _Plan):
+    """FA3 Algorithm 2's dQ half: consumers own 64 query rows, the producer streams k, v."""
+    nin = 8 if d.segments else 6
+    ins, dq_ref, scratch = refs[:nin], refs[nin], refs[nin + 1:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    qs_ref, ks_ref = ins[6:] if d.segments else (None, None)
+    (q_smem, do_smem, lse_smem, delta_smem, qs_smem, k_ring, v_ring, ks_ring, stage,
+     q_bar, k_bar, v_bar, ks_bar, consumed) = scratch
+    bk, st = p.bk_bwd, p.stages
+    qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kvh = lax.div(n, d.G)
+    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    wg = M.wg_index()
+
+    @M.when(wg == M.CONSUMERS)
+    def _producer():
+        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
+                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
+        if d.segments:
+            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < M.CONSUMERS)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        r0 = qi * CTA_ROWS + wg * BQ
+        rows_at = (b, M.ds(r0, BQ), n)
+        loads = [(q_ref.at[rows_at], q_smem.at[wg]), (do_ref.at[rows_at], do_smem.at[wg]),
+                 (lse_ref.at[b, n, M.ds(r0, BQ)], lse_smem.at[wg]),
+                 (delta_ref.at[b, n, M.ds(r0, BQ)], delta_smem.at[wg])]
+        if d.segments:
+            loads.append((qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg]))
+        for i, (src, dst) in enumerate(loads):
+            M.copy_gmem_to_smem(src, dst, q_bar.at[i * M.CONSUMERS + wg])
+        for i in range(len(loads)):
+            M.barrier_wait(q_bar.at[i * M.CONSUMERS + wg])
+        shape = (BQ, bk)
+        lse2 = _bcast_rows(M.row_vector(lse_smem.at[wg]) * C.LOG2E, shape)
+        delta = _bcast_rows(M.row_vector(delta_smem.at[wg]), shape)
+        qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), shape) if d.segments else None
+        rows = M.iota(shape, 0) + r0
+        cols0 = M.iota(shape, 1)
+
+        def step(j, slot, dq):
+            M.barrier_wait(k_bar.at[slot])
+            s, t = _scaled(d, M.matmul(q_smem.at[wg], k_ring.at[slot].T, shape))
+            ks = None
+            if d.segments:
+                M.barrier_wait(ks_bar.at[slot])
+                ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), shape)
+            pr = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), jnp.exp2(s - lse2), 0.0)
+            M.barrier_wait(v_bar.at[slot])
+            dp = M.matmul(do_smem.at[wg], v_ring.at[slot].T, shape)
+            dsc = pr * (dp - delta)
+            if t is not None:
+                dsc = dsc * (1.0 - t * t)
+            return M.matmul(dsc.astype(k_ring.dtype), k_ring.at[slot], None, acc=dq,
+                            stage=None if stage is None else stage.at[wg])
+
+        dq = M.consume(lo, hi, st, consumed, step, M.zeros((BQ, p.Hp)))
+        q_smem.at[wg][...] = (dq * d.scale).astype(q_smem.dtype)
+        M.commit_smem()
+        M.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows_at])
+        M.wait_smem_to_gmem(0)
+
+
+def _dkdv_body(*refs, d: Dims, p: _Plan):
+    """FA3 Algorithm 2's dK/dV half: consumers own 64 key rows and accumulate dK and dV over
+    every query block of the G query heads of their kv head (GQA reduced in-kernel, no
+    atomics); the producer streams q, do, lse, delta (and query segment ids)."""
+    nin = 8 if d.segments else 6
+    ins, (dk_ref, dv_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    qs_ref, ks_ref = ins[6:] if d.segments else (None, None)
+    (k_smem, v_smem, ks_smem, q_ring, do_ring, lse_ring, delta_ring, qs_ring, stage,
+     kv_bar, q_bar, do_bar, lse_bar, delta_bar, qs_bar, consumed) = scratch
+    bq, st = p.bk_bwd, p.stages  # streamed query block
+    ci, kvh, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    qlo, qhi = TA._q_range(d, ci * CTA_ROWS, bq, CTA_ROWS)
+    nq = jnp.maximum(qhi - qlo, 0)
+    # One flat stream over (query head g of the group, query block i): step -> (g, i).
+    lo, hi = 0, d.G * nq
+    head = lambda step: kvh * d.G + lax.div(step, jnp.maximum(nq, 1))
+    qblk = lambda step: qlo + lax.rem(step, jnp.maximum(nq, 1))
+    wg = M.wg_index()
+
+    @M.when(wg == M.CONSUMERS)
+    def _producer():
+        rows = lambda s: M.ds(qblk(s) * bq, bq)
+        sources = [(lambda s: q_ref.at[b, rows(s), head(s)], q_ring, q_bar),
+                   (lambda s: do_ref.at[b, rows(s), head(s)], do_ring, do_bar),
+                   (lambda s: lse_ref.at[b, head(s), rows(s)], lse_ring, lse_bar),
+                   (lambda s: delta_ref.at[b, head(s), rows(s)], delta_ring, delta_bar)]
+        if d.segments:
+            sources.append((lambda s: qs_ref.at[b, rows(s)], qs_ring, qs_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < M.CONSUMERS)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        c0 = ci * CTA_ROWS + wg * BQ
+        cols_at = (b, M.ds(c0, BQ), kvh)
+        loads = [(k_ref.at[cols_at], k_smem.at[wg]), (v_ref.at[cols_at], v_smem.at[wg])]
+        if d.segments:
+            loads.append((ks_ref.at[b, M.ds(c0, BQ)], ks_smem.at[wg]))
+        for i, (src, dst) in enumerate(loads):
+            M.copy_gmem_to_smem(src, dst, kv_bar.at[i * M.CONSUMERS + wg])
+        for i in range(len(loads)):
+            M.barrier_wait(kv_bar.at[i * M.CONSUMERS + wg])
+        shape = (BQ, bq)  # transposed tiles: key rows x query columns
+        ks = _bcast_rows(M.row_vector(ks_smem.at[wg]), shape) if d.segments else None
+        cols = M.iota(shape, 0) + c0
+        rows0 = M.iota(shape, 1)
+        stg = None if stage is None else stage.at[wg]
+
+        def step(s_, slot, carry):
+            dk, dv = carry
+            M.barrier_wait(q_bar.at[slot])
+            sT, t = _scaled(d, M.matmul(k_smem.at[wg], q_ring.at[slot].T, shape))
+            M.barrier_wait(lse_bar.at[slot])
+            lse2 = _bcast_cols(M.col_vector(lse_ring.at[slot]) * C.LOG2E, shape)
+            qs = None
+            if d.segments:
+                M.barrier_wait(qs_bar.at[slot])
+                qs = _bcast_cols(M.col_vector(qs_ring.at[slot]), shape)
+            m = _mask(d, rows0 + qblk(s_) * bq, cols, qs, ks)
+            pT = jnp.where(m, jnp.exp2(sT - lse2), 0.0)
+            M.barrier_wait(do_bar.at[slot])
+            dv = M.matmul(pT.astype(do_ring.dtype), do_ring.at[slot], None, acc=dv, stage=stg)
+            dpT = M.matmul(v_smem.at[wg], do_ring.at[slot].T, shape)
+            M.barrier_wait(delta_bar.at[slot])
+            dsT = pT * (dpT - _bcast_cols(M.col_vector(delta_ring.at[slot]), shape))
+            if t is not None:
+                dsT = dsT * (1.0 - t * t)
+            dk = M.matmul(dsT.astype(q_ring.dtype), q_ring.at[slot], None, acc=dk, stage=stg)
+            return dk, dv
+
+        init = (M.zeros((BQ, p.Hp)), M.zeros((BQ, p.Hp)))
+        dk, dv = M.consume(lo, hi, st, consumed, step, init)
+        k_smem.at[wg][...] = (dk * d.scale).astype(k_smem.dtype)
+        v_smem.at[wg][...] = dv.astype(v_smem.dtype)
+        M.commit_smem()
+        M.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[cols_at])
+        M.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[cols_at])
+        M.wait_smem_to_gmem(0)
+
+
+def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: bool = False):
+    """FlashAttention backward on Mosaic GPU: dq [B*T, N*H], dk and dv [B*S, K*H] in the
+    inputs' dtypes, from the forward's residuals (out and lse [B*N, T] f32, natural units,
+    from either backend's forward). Two kernels, deterministic (no atomics): dk/dv with one
+    CTA per (128 keys, kv head), dq with one CTA per (128 queries, head).
+
+    ``delta = rowsum(out * dout)`` (f32) is computed by XLA, as on the Triton path.
+    Raises:
+      ValueError: a dtype or head dim these kernels do not cover (see :func:`supported`).
+    """
+    _check(d, q2.dtype)
+    p = _plan(d)
+    q, k, v, segs = _views(d, p, q2, k2, v2, qseg, kseg)
+    do = _pad_to(_pad_to(do2.reshape(d.B, d.T, d.N, d.H), 3, p.Hp), 1, p.Tp)
+    delta = jnp.sum(o2.astype(jnp.float32).reshape(d.B, d.T, d.N, d.H)
+                    * do2.astype(jnp.float32).reshape(d.B, d.T, d.N, d.H), axis=-1).transpose(0, 2, 1)
+    delta = _pad_to(delta, 2, p.Tp)
+    lse3 = _pad_to(lse.reshape(d.B, d.N, d.T), 2, p.Tp)
+    dt, bk, st = q.dtype, p.bk_bwd, p.stages
+    inputs = (q, k, v, do, lse3, delta) + segs
+    i32 = jnp.int32
+    seg = d.segments
+
+    dq_scratch = [
+        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt), M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.float32), M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
+        M.vec_smem((M.CONSUMERS, BQ), i32) if seg else None,
+        M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
+        M.vec_smem((st, bk), i32) if seg else None,
+        M.stage_smem((BQ, bk), dt, interpret),
+        M.barriers(5 * M.CONSUMERS), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=M.CONSUMERS),
+    ]
+    dq = M.kernel(
+        functools.partial(_dq_body, d=d, p=p), name="attention_bwd_dq_mosaic",
+        out_type=jax.ShapeDtypeStruct(q.shape, dt), grid=(p.Tp // CTA_ROWS, d.N, d.B),
+        grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret,
+    )(*inputs)
+
+    dkdv_scratch = [
+        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt), M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.vec_smem((M.CONSUMERS, BQ), i32) if seg else None,
+        M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
+        M.vec_smem((st, bk), jnp.float32), M.vec_smem((st, bk), jnp.float32),
+        M.vec_smem((st, bk), i32) if seg else None,
+        M.stage_smem((BQ, bk), dt, interpret),
+        M.barriers(3 * M.CONSUMERS), M.barriers(st), M.barriers(st), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=M.CONSUMERS),
+    ]
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dt)
+    dk, dv = M.kernel(
+        functools.partial(_dkdv_body, d=d, p=p), name="attention_bwd_dkdv_mosaic",
+        out_type=[kv_shape, kv_shape], grid=(p.Sp // CTA_ROWS, d.K, d.B),
+        grid_names=("kv", "heads", "batch"), scratch=dkdv_scratch, interpret=interpret,
+    )(*inputs)
+    return _unpad(dq, d, d.T, d.N), _unpad(dk, d, d.S, d.K), _unpad(dv, d, d.S, d.K)
