@@ -23,5 +23,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 100 python bench/attention.py --json "$out/attention.json" 2>&1
   echo "== python -m jaxbwd bench --size llm"
   timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
+  # --- Mosaic GPU backend (Hopper): attention by backend, Mosaic vs Triton vs cuDNN vs XLA.
+  # Adds up to 120 s to the budget above (prints "skipped" off sm_90). ---
+  echo "== bench/mosaic_attention.py (pallas_backend mosaic vs triton vs cudnn vs xla)"
+  timeout 120 python bench/mosaic_attention.py --repeats 10 --json "$out/mosaic_attention.json" 2>&1
+  # --- end Mosaic GPU block ---
 } 2>&1 | tee "$log"
 echo "wrote $out"

@@ -70,36 +70,37 @@ def vec_smem(shape: Sequence[int], dtype) -> Any:
     return plgpu.SMEM(tuple(shape), dtype)
 
 
-def stage_smem(shape: Sequence[int], dtype, interpret: bool) -> Any:
+def stage_smem(shape: Sequence[int], dtype, interpret: bool, consumers: int = CONSUMERS) -> Any:
     """Per-consumer staging tiles for register wgmma operands, allocated only when
     interpreting (see :func:`matmul`); ``None`` (no shared memory) when compiled."""
-    return tile_smem((CONSUMERS, *shape), dtype) if interpret else None
+    return tile_smem((consumers, *shape), dtype) if interpret else None
 
 
 def barriers(n: int, arrivals: int = 1) -> Any:
     return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def interpret_params(detect_races: bool = True) -> Any:
+def interpret_params(consumers: int = CONSUMERS, detect_races: bool = True) -> Any:
     """Mosaic GPU interpret mode: simulated shared memory, TMA, barriers and wgmma on CPU;
     with ``detect_races`` a happens-before race detector raises on any data race."""
-    return plgpu.InterpretGPUParams(detect_races=detect_races, num_cores_or_threads=CONSUMERS + 1)
+    return plgpu.InterpretGPUParams(detect_races=detect_races, num_cores_or_threads=consumers + 1)
 
 
 _INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxbwd_mosaic_interpreting", default=False)
 
 
 def kernel(body: Callable[..., None], *, name: str, out_type: Any, grid: Sequence[int],
-           grid_names: Sequence[str], scratch: Sequence[Any], interpret: bool) -> Callable[..., Any]:
-    """A warp-specialized Mosaic GPU kernel: ``CONSUMERS + 1`` warpgroups per CTA (thread
-    axis ``"wg"``), fast math (``approx_math``: MUFU exp2/rcp), run in Mosaic's interpreter
-    with race detection when ``interpret``."""
+           grid_names: Sequence[str], scratch: Sequence[Any], interpret: bool,
+           consumers: int = CONSUMERS) -> Callable[..., Any]:
+    """A warp-specialized Mosaic GPU kernel: ``consumers + 1`` warpgroups per CTA (thread
+    axis ``"wg"``; the last one is the producer), fast math (``approx_math``: MUFU
+    exp2/rcp), run in Mosaic's interpreter with race detection when ``interpret``."""
     body.__name__ = name
     call = plgpu.kernel(
         body, out_type=out_type, grid=tuple(int(g) for g in grid), grid_names=tuple(grid_names),
-        num_threads=CONSUMERS + 1, thread_name="wg", scratch_types=list(scratch),
+        num_threads=consumers + 1, thread_name="wg", scratch_types=list(scratch),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params() if interpret else None,
+        interpret=interpret_params(consumers) if interpret else None,
     )
 
     def launch(*args):

@@ -56,11 +56,12 @@ MAX_HEAD_DIM = 128
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Tile sizes of one problem: streamed block ``bk`` (fwd), ``bk_bwd``, ring ``stages``,
-    padded ``Tp``, ``Sp``, ``Hp``."""
+    consumer warpgroups of the dk/dv kernel, padded ``Tp``, ``Sp``, ``Hp``."""
 
     bk: int
     bk_bwd: int
     stages: int
+    dkdv_consumers: int
     Tp: int
     Sp: int
     Hp: int
@@ -85,13 +86,20 @@ def block_k(bk: int):
 def _plan(d: Dims) -> _Plan:
     Hp = C.cdiv(d.H, 64) * 64
     over = _BLOCK_K.get()
-    # 128 keys per step halves the forward's per-step overhead (barriers, row max/sum); the
-    # backward holds two [64, H] f32 accumulators and three [64, bk] tiles per thread: 64.
-    bk = over or (128 if d.S > 64 else 64)
+    # Registers decide the tiles. In jax 0.12.0.1 ptxas ignores setmaxnreg in Mosaic's
+    # kernels (C7504, "to maintain compatibility across compilation units"), so every thread
+    # gets 65536 / threads: 168 with three warpgroups. The forward's [64, H] f32 accumulator
+    # plus a [64, bk] f32 score tile fits 168 with bk = 64 at H = 128 (bk = 128 spilled 156
+    # bytes); 128 keys per step at H = 64 halve the per-step overhead (barriers, row max/sum).
+    # dk/dv holds two [64, H] f32 accumulators: at H = 128 that is 128 registers before any
+    # score tile (two consumers spilled 820 bytes and ptxas serialized the wgmmas), so it
+    # runs one consumer warpgroup (two warpgroups: 255 registers).
+    bk = over or (128 if d.S > 64 and Hp <= 64 else 64)
     bk_bwd = over or 64
+    dkdv_consumers = M.CONSUMERS if Hp <= 64 else 1
     Tp = C.cdiv(d.T, CTA_ROWS) * CTA_ROWS
     Sp = C.cdiv(d.S, max(bk, CTA_ROWS)) * max(bk, CTA_ROWS)
-    return _Plan(bk, bk_bwd, 2, Tp, Sp, Hp)
+    return _Plan(bk, bk_bwd, 2, dkdv_consumers, Tp, Sp, Hp)
 
 
 def supported(d: Dims, dtype) -> Optional[str]:
@@ -344,8 +352,10 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
     (k_smem, v_smem, ks_smem, q_ring, do_ring, lse_ring, delta_ring, qs_ring, stage,
      kv_bar, q_bar, do_bar, lse_bar, delta_bar, qs_bar, consumed) = scratch
     bq, st = p.bk_bwd, p.stages  # streamed query block
+    nc = p.dkdv_consumers
+    cta = nc * M.WG_ROWS
     ci, kvh, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
-    qlo, qhi = TA._q_range(d, ci * CTA_ROWS, bq, CTA_ROWS)
+    qlo, qhi = TA._q_range(d, ci * cta, bq, cta)
     nq = jnp.maximum(qhi - qlo, 0)
     # One flat stream over (query head g of the group, query block i): step -> (g, i).
     lo, hi = 0, d.G * nq
@@ -353,7 +363,7 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
     qblk = lambda step: qlo + lax.rem(step, jnp.maximum(nq, 1))
     wg = M.wg_index()
 
-    @M.when(wg == M.CONSUMERS)
+    @M.when(wg == nc)
     def _producer():
         rows = lambda s: M.ds(qblk(s) * bq, bq)
         sources = [(lambda s: q_ref.at[b, rows(s), head(s)], q_ring, q_bar),
@@ -364,18 +374,18 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
             sources.append((lambda s: qs_ref.at[b, rows(s)], qs_ring, qs_bar))
         M.produce(lo, hi, st, sources, consumed)
 
-    @M.when(wg < M.CONSUMERS)
+    @M.when(wg < nc)
     def _consumer():
         M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
-        c0 = ci * CTA_ROWS + wg * BQ
+        c0 = ci * cta + wg * BQ
         cols_at = (b, M.ds(c0, BQ), kvh)
         loads = [(k_ref.at[cols_at], k_smem.at[wg]), (v_ref.at[cols_at], v_smem.at[wg])]
         if d.segments:
             loads.append((ks_ref.at[b, M.ds(c0, BQ)], ks_smem.at[wg]))
         for i, (src, dst) in enumerate(loads):
-            M.copy_gmem_to_smem(src, dst, kv_bar.at[i * M.CONSUMERS + wg])
+            M.copy_gmem_to_smem(src, dst, kv_bar.at[i * nc + wg])
         for i in range(len(loads)):
-            M.barrier_wait(kv_bar.at[i * M.CONSUMERS + wg])
+            M.barrier_wait(kv_bar.at[i * nc + wg])
         shape = (BQ, bq)  # transposed tiles: key rows x query columns
         ks = _bcast_rows(M.row_vector(ks_smem.at[wg]), shape) if d.segments else None
         cols = M.iota(shape, 0) + c0
@@ -453,20 +463,21 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret,
     )(*inputs)
 
+    nc = p.dkdv_consumers
     dkdv_scratch = [
-        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt), M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
-        M.vec_smem((M.CONSUMERS, BQ), i32) if seg else None,
+        M.tile_smem((nc, BQ, p.Hp), dt), M.tile_smem((nc, BQ, p.Hp), dt),
+        M.vec_smem((nc, BQ), i32) if seg else None,
         M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
         M.vec_smem((st, bk), jnp.float32), M.vec_smem((st, bk), jnp.float32),
         M.vec_smem((st, bk), i32) if seg else None,
-        M.stage_smem((BQ, bk), dt, interpret),
-        M.barriers(3 * M.CONSUMERS), M.barriers(st), M.barriers(st), M.barriers(st), M.barriers(st),
-        M.barriers(st) if seg else None, M.barriers(st, arrivals=M.CONSUMERS),
+        M.stage_smem((BQ, bk), dt, interpret, nc),
+        M.barriers(3 * nc), M.barriers(st), M.barriers(st), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=nc),
     ]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dt)
     dk, dv = M.kernel(
         functools.partial(_dkdv_body, d=d, p=p), name="attention_bwd_dkdv_mosaic",
-        out_type=[kv_shape, kv_shape], grid=(p.Sp // CTA_ROWS, d.K, d.B),
-        grid_names=("kv", "heads", "batch"), scratch=dkdv_scratch, interpret=interpret,
+        out_type=[kv_shape, kv_shape], grid=(p.Sp // (nc * M.WG_ROWS), d.K, d.B),
+        grid_names=("kv", "heads", "batch"), scratch=dkdv_scratch, interpret=interpret, consumers=nc,
     )(*inputs)
     return _unpad(dq, d, d.T, d.N), _unpad(dk, d, d.S, d.K), _unpad(dv, d, d.S, d.K)
