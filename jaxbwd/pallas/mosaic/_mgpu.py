@@ -212,13 +212,15 @@ def produce(lo, hi, stages: int, sources, consumed) -> None:
         plgpu.barrier_wait(consumed.at[lax.rem(step - lo, stages)])
 
 
-def consume(lo, hi, stages: int, consumed, body: Callable, carry):
+def consume(lo, hi, stages: int, consumed, body: Callable, carry, base=None):
     """A consumer warpgroup's loop over streamed blocks ``lo .. hi-1``: ``body(step, slot,
     carry) -> carry`` waits the "loaded" barriers of what it reads; afterwards this
-    warpgroup arrives on ``consumed[slot]``."""
+    warpgroup arrives on ``consumed[slot]``. ``base``: the first block the producer streamed
+    (default ``lo``), when one walk is split over several loops."""
+    base = lo if base is None else base
 
     def step_fn(step, carry):
-        slot = lax.rem(step - lo, stages)
+        slot = lax.rem(step - base, stages)
         carry = body(step, slot, carry)
         plgpu.barrier_arrive(consumed.at[slot])
         return carry

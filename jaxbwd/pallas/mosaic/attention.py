@@ -16,11 +16,11 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
 - Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
   converted to and from natural units at the edges.
 
-Tiles (``_plan``): 64 rows per consumer warpgroup (wgmma's M), 128 per CTA; the forward
-streams key blocks of 128 (head dim <= 128), the backward blocks of 64; two ring stages.
-Shared memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 128 KiB = 160
-KiB; dq 64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv 64 KiB k/v + 64 KiB ring = 128 KiB (of
-227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
+Tiles (``_plan``, sized from the compiled registers): 64 rows per consumer warpgroup
+(wgmma's M), two consumers (128 rows) per CTA in the forward and dq, one in dk/dv above head
+dim 64; every kernel streams blocks of 64 through two ring stages. Shared memory at head
+dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64 KiB = 96 KiB; dq 64 KiB q/do + 64
+KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v + 64 KiB ring = 96 KiB (of 227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
 tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
 (``config.MOSAIC_KERNELS``): the backward's resident and streamed tiles would not fit.
 
@@ -88,13 +88,13 @@ def _plan(d: Dims) -> _Plan:
     over = _BLOCK_K.get()
     # Registers decide the tiles. In jax 0.12.0.1 ptxas ignores setmaxnreg in Mosaic's
     # kernels (C7504, "to maintain compatibility across compilation units"), so every thread
-    # gets 65536 / threads: 168 with three warpgroups. The forward's [64, H] f32 accumulator
-    # plus a [64, bk] f32 score tile fits 168 with bk = 64 at H = 128 (bk = 128 spilled 156
-    # bytes); 128 keys per step at H = 64 halve the per-step overhead (barriers, row max/sum).
+    # gets 65536 / threads: 168 with three warpgroups (python -m jaxbwd compile). With
+    # 128-key steps the forward spilled (156 bytes at H = 128, 352 at H = 64), so every
+    # kernel streams 64 keys: a [64, 64] f32 score tile is 32 registers per thread.
     # dk/dv holds two [64, H] f32 accumulators: at H = 128 that is 128 registers before any
     # score tile (two consumers spilled 820 bytes and ptxas serialized the wgmmas), so it
     # runs one consumer warpgroup (two warpgroups: 255 registers).
-    bk = over or (128 if d.S > 64 and Hp <= 64 else 64)
+    bk = over or 64
     bk_bwd = over or 64
     dkdv_consumers = M.CONSUMERS if Hp <= 64 else 1
     Tp = C.cdiv(d.T, CTA_ROWS) * CTA_ROWS
@@ -159,6 +159,22 @@ def _unpad(x, d: Dims, L: int, heads: int):
     return x[:, :L, :, : d.H].reshape(d.B * L, heads * d.H)
 
 
+def _consume_kv(d: Dims, qi, lo, hi, bk: int, st: int, consumed, step, carry):
+    """A consumer's walk over key blocks [lo, hi) of query CTA ``qi``: first the blocks every
+    row of the CTA sees whole (below the causal diagonal, inside S, no window or segment
+    ids) with ``step(..., masked=False)``, then the rest with the element masks (as FA3
+    splits its loop, so that the interior blocks skip the iota/compare/select work)."""
+    if d.window is not None or d.segments:
+        mid = lo
+    else:
+        mid = d.S // bk
+        if d.causal:
+            mid = jnp.minimum(mid, lax.div(qi * CTA_ROWS, bk))
+        mid = jnp.clip(mid, lo, hi)
+    carry = M.consume(lo, mid, st, consumed, functools.partial(step, masked=False), carry, base=lo)
+    return M.consume(mid, hi, st, consumed, step, carry, base=lo)
+
+
 # ----------------------------------------------------------------------------- forward
 def _fwd_body(*refs, d: Dims, p: _Plan):
     nin = 5 if d.segments else 3
@@ -195,7 +211,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
         rows = M.iota((BQ, bk), 0) + r0
         cols0 = M.iota((BQ, bk), 1)
 
-        def step(j, slot, carry):
+        def step(j, slot, carry, masked=True):
             acc, m, l = carry
             M.barrier_wait(k_bar.at[slot])
             s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk)))
@@ -203,7 +219,8 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
             if d.segments:
                 M.barrier_wait(ks_bar.at[slot])
                 ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), (BQ, bk))
-            s = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), s, NEG_INF)
+            if masked:
+                s = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha = jnp.exp2(m - m_safe)
@@ -217,7 +234,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
 
         rl = M.Layout.WGMMA.reduce(1)
         init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
-        acc, m, l = M.consume(lo, hi, st, consumed, step, init)
+        acc, m, l = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, init)
         seen = l > 0.0
         l_safe = jnp.where(seen, l, 1.0)
         qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
@@ -318,14 +335,16 @@ def _dq_body(*refs, d: Dims, p: _Plan):
         rows = M.iota(shape, 0) + r0
         cols0 = M.iota(shape, 1)
 
-        def step(j, slot, dq):
+        def step(j, slot, dq, masked=True):
             M.barrier_wait(k_bar.at[slot])
             s, t = _scaled(d, M.matmul(q_smem.at[wg], k_ring.at[slot].T, shape))
             ks = None
             if d.segments:
                 M.barrier_wait(ks_bar.at[slot])
                 ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), shape)
-            pr = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), jnp.exp2(s - lse2), 0.0)
+            pr = jnp.exp2(s - lse2)
+            if masked:
+                pr = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), pr, 0.0)
             M.barrier_wait(v_bar.at[slot])
             dp = M.matmul(do_smem.at[wg], v_ring.at[slot].T, shape)
             dsc = pr * (dp - delta)
@@ -334,7 +353,7 @@ def _dq_body(*refs, d: Dims, p: _Plan):
             return M.matmul(dsc.astype(k_ring.dtype), k_ring.at[slot], None, acc=dq,
                             stage=None if stage is None else stage.at[wg])
 
-        dq = M.consume(lo, hi, st, consumed, step, M.zeros((BQ, p.Hp)))
+        dq = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, M.zeros((BQ, p.Hp)))
         q_smem.at[wg][...] = (dq * d.scale).astype(q_smem.dtype)
         M.commit_smem()
         M.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows_at])
