@@ -204,3 +204,43 @@ def test_forward_mode_tangent_from_mosaic_residuals():
     want, want_t = jax.jvp(lambda q, k, v: TA.ref.dot_product_attention(q, k, v, **kw), f32(q, k, v), f32(tq, tk, tv))
     TA._close(out, want, TA.TOL["bfloat16"])
     TA._close(tangent, want_t, TA.TOL["bfloat16"])
+
+
+# ------------------------------------------------------------- compiled figures
+def test_compile_instrument_reads_mosaic_dumps(tmp_path):
+    # What Mosaic's compiler writes with MOSAIC_GPU_DUMP_{PTX,PTXAS,RESOURCES} (abridged).
+    (tmp_path / "attention_fwd_mosaic_0.ptxas").write_text(
+        "ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility\n"
+        "ptxas         .     16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
+        "info    : used 150 registers, used 16 barriers, 16 stack, 1025 bytes smem, 1088 bytes cmem[0], 0 bytes lmem\n")
+    (tmp_path / "attention_fwd_mosaic_0.ptx").write_text(
+        ".maxntid 384, 1, 1\nwgmma.mma_async.sync\nwgmma.mma_async.sync\nex2.approx.ftz.f32\n")
+    (tmp_path / "attention_fwd_mosaic_1.resources.txt").write_text("Resources(smem_scratch_bytes=101376, tmem=0)")
+    from jaxbwd import deviceless
+
+    (row,) = deviceless.mosaic_rows(str(tmp_path))
+    assert row == {"kernel": "attention_fwd_mosaic", "registers": 150, "stack": 16, "spill_stores": 12,
+                   "spill_loads": 8, "static_smem": 1025, "local": 0, "wgmma_serialized": False,
+                   "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 1, "dynamic_smem": 101376}
+
+
+@pytest.mark.compile
+def test_mosaic_kernels_compile_for_h200(monkeypatch):
+    # Lowering runs Mosaic's compiler (PTX, then ptxas for sm_90a) on this CPU machine: every
+    # kernel at the registry's hd128 shape compiles, uses wgmma, fits shared memory and does
+    # not spill.
+    from jaxbwd import deviceless
+
+    missing = deviceless.missing_requirements()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: {deviceless.INSTALL_HINT}")
+    monkeypatch.setenv("JAXBWD_PALLAS_BACKEND", "mosaic")
+    cases = [c for c in deviceless.cases(["dot_product_attention"], dtypes=("bfloat16",), gpus=("h200",))
+             if "x128" in c.shape_name]
+    report = deviceless.run(cases, jobs=1)
+    assert not report["failures"], report["failures"]
+    rows = {r["kernel"]: r for r in report["rows"]}
+    assert set(rows) == set(MOSAIC)
+    for r in rows.values():
+        assert r["tensor_core"] == "HGMMA" and r["stack"] == 0 and r["spill_stores"] == 0, r
+        assert r["smem"] <= deviceless.GPUS["h200"].smem_per_block_optin, r
