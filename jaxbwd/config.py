@@ -113,9 +113,9 @@ def _current() -> _Settings:
 def _check_implementation(implementation, where="implementation", per_call=False):
     ok = IMPLEMENTATIONS + (tuple(_PER_CALL) if per_call else ())
     if implementation is not None and implementation not in ok:
-        names = ", ".join(repr(x) for x in ok)
+        extra = " (per call also 'pallas:triton' or 'pallas:mosaic')" if per_call else ""
         raise ValueError(
-            f"jaxbwd: {where} must be None or one of {names}, got {implementation!r}"
+            f"jaxbwd: {where} must be None, 'pallas' or 'xla', got {implementation!r}{extra}"
         )
 
 
