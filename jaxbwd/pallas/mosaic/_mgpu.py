@@ -8,11 +8,11 @@ was written against jax 0.12.0.1.
 Execution model (Hopper): a kernel is a grid of CTAs; each CTA runs ``num_threads``
 warpgroups (128 threads each) that see the same shared memory. jaxbwd's Mosaic kernels are
 warp specialized in the manner of FlashAttention-3 (Shah et al. 2024, Section 3.1):
-``CONSUMERS`` consumer warpgroups each own 64 rows of the CTA's resident tile and run the
-wgmmas and the softmax; the last warpgroup is the producer, which only issues TMA copies of
-the streamed blocks into a ring of ``stages`` shared-memory slots. Per slot, one barrier per
-streamed array says "loaded" (TMA transaction count) and one barrier with ``CONSUMERS``
-arrivals says "consumed", so the producer refills a slot only after every consumer is done
+consumer warpgroups (``CONSUMERS`` unless a kernel asks for fewer) each own 64 rows of the
+CTA's resident tile and run the wgmmas and the softmax; the last warpgroup is the producer,
+which only issues TMA copies of the streamed blocks into a ring of ``stages`` shared-memory
+slots. Per slot, one barrier per streamed array says "loaded" (TMA transaction count) and
+one barrier with one arrival per consumer says "consumed", so the producer refills a slot only after every consumer is done
 with it. Every warpgroup walks the same block range so that each waits every barrier phase
 (Mosaic tracks barrier phases per thread, in order).
 """
@@ -36,7 +36,10 @@ CONSUMERS = 2
 # swizzle wgmma reads without bank conflicts.
 SWIZZLE_BYTES = 128
 # Register split between the consumer and producer warpgroups (setmaxnreg), as FA3:
-# (2 x 232 + 40) x 128 threads = 64,512 of an SM's 65,536 registers.
+# (2 x 232 + 40) x 128 threads = 64,512 of an SM's 65,536 registers. With jax 0.12.0.1 ptxas
+# ignores it (C7504, "to maintain compatibility across compilation units": seen with
+# ``python -m jaxbwd compile``), so each thread gets 65536 / threads; the kernels' tiles are
+# sized for that, and the request stays for a toolchain that honours it.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 

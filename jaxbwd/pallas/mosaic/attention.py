@@ -9,24 +9,27 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
   shared memory; wgmma reads its operands from there (the second operand always, the first
   from registers for P and dS) and accumulates in f32 registers.
 - Warp specialization (FA3 Algorithm 1 for the forward, Algorithm 2's split for the
-  backward): per CTA, two consumer warpgroups own 64 rows each of the resident tile (q rows
-  in the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
+  backward): per CTA, consumer warpgroups own 64 rows each of the resident tile (q rows in
+  the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
   operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
-  While one consumer computes its softmax the other's wgmma can run.
+  With two consumers, one's softmax can run while the other's wgmma does.
 - Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
   converted to and from natural units at the edges.
 
 Tiles (``_plan``, sized from the compiled registers): 64 rows per consumer warpgroup
-(wgmma's M), two consumers (128 rows) per CTA in the forward and dq, one in dk/dv above head
-dim 64; every kernel streams blocks of 64 through two ring stages. Shared memory at head
-dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64 KiB = 96 KiB; dq 64 KiB q/do + 64
-KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v + 64 KiB ring = 96 KiB (of 227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
-tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
+(wgmma's M); two consumers (128 rows) per CTA in the forward and dq, and in dk/dv at head
+dim 64 (one above it); every kernel streams blocks of 64 through two ring stages. Shared
+memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64 KiB = 96 KiB; dq
+64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v + 64 KiB ring = 96
+KiB (of 227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to
+whole tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
 (``config.MOSAIC_KERNELS``): the backward's resident and streamed tiles would not fit.
 
-Masks (causal, sliding window, segment ids, the sequence tails) are applied to every tile;
-causal and window bounds limit the block range of a CTA (the union of its two consumers'
-ranges), segment ids do not (no block skipping on this path).
+Masks (causal, sliding window, segment ids, the sequence tails) are applied per element on
+the blocks that need them; the forward and dq walk the key blocks every row of the CTA
+sees whole without masks (``_consume_kv``). Causal and window bounds limit the block range
+of a CTA (the union of its consumers' ranges); segment ids do not (no block skipping on
+this path).
 """
 from __future__ import annotations
 
