@@ -9,10 +9,12 @@ producer) and raises on a data race. The Mosaic kernels take 16-bit inputs
 largest value, as tests/test_attention.py). ``block_k(64)`` makes the multi-block cases
 stream several key (or query) blocks through the two-slot ring, so it wraps.
 
-Known (jax 0.12.0.1): with race detection on, one larger run of the dq kernel with segment
-ids (B=1, T=150, S=200, N=4, K=2) did not finish in the interpreter (its threads blocked on
-barriers, 2% CPU, for minutes), while the same run without race detection finished and
-matched the Triton kernel; the shapes here run to completion.
+Known (jax 0.12.0.1): the interpreter deadlocked when XLA ran the two backward kernels at
+once (they do not depend on each other); the Mosaic backward orders them when interpreting.
+One larger run of the dq kernel alone with segment ids (B=1, T=150, S=200, N=4, K=2, race
+detection on) also did not finish (threads blocked on barriers at 2% CPU), while the same
+run without race detection finished and matched the Triton kernel; not resolved. The
+shapes here run to completion.
 """
 from __future__ import annotations
 

@@ -500,6 +500,12 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret,
     )(*inputs)
 
+    if interpret:
+        # Mosaic's interpreter (jax 0.12) can deadlock when XLA runs two interpreted kernels
+        # at once (dq and dk/dv do not depend on each other): seen as warpgroup threads
+        # blocked on barriers for minutes. Ordering dk/dv after dq avoids it; compiled
+        # kernels need no such order.
+        dq, inputs = lax.optimization_barrier((dq, inputs))
     nc = p.dkdv_consumers
     dkdv_scratch = [
         M.tile_smem((nc, BQ, p.Hp), dt), M.tile_smem((nc, BQ, p.Hp), dt),
