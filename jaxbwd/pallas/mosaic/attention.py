@@ -185,7 +185,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
     ins, (o_ref, lse_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
     q_ref, k_ref, v_ref = ins[:3]
     qs_ref, ks_ref = ins[3:] if d.segments else (None, None)
-    q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed, sched = scratch
+    q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed = scratch
     bk, st = p.bk, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = lax.div(n, d.G)
@@ -215,20 +215,10 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
         rows = M.iota((BQ, bk), 0) + r0
         cols0 = M.iota((BQ, bk), 1)
 
-        # Ping-pong (FA3 Section 3.1): the two consumers meet at the scheduling barrier
-        # twice per step, half a step apart (consumer 1 meets once more before its loop,
-        # consumer 0 once more after), so one's softmax runs while the other's wgmmas do.
-        def meet():
-            M.barrier_arrive(sched.at[0])
-            M.barrier_wait(sched.at[0])
-
-        M.when(wg == 1)(meet)
-
         def step(j, slot, carry, masked=True):
             acc, m, l = carry
             M.barrier_wait(k_bar.at[slot])
             s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk)))
-            meet()
             ks = None
             if d.segments:
                 M.barrier_wait(ks_bar.at[slot])
@@ -241,9 +231,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
             pr = jnp.exp2(s - _bcast_rows(m_safe, (BQ, bk)))
             l = l * alpha + pr.sum(axis=1)
             acc = acc * _bcast_rows(alpha, (BQ, p.Hp))
-            M.barrier_arrive(sched.at[0])  # softmax done
             M.barrier_wait(v_bar.at[slot])
-            M.barrier_wait(sched.at[0])  # the other consumer's wgmmas are issued
             acc = M.matmul(pr.astype(v_ring.dtype), v_ring.at[slot], None, acc=acc,
                            stage=None if stage is None else stage.at[wg])
             return acc, m_new, l
@@ -251,7 +239,6 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
         rl = M.Layout.WGMMA.reduce(1)
         init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
         acc, m, l = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, init)
-        M.when(wg == 0)(meet)
         seen = l > 0.0
         l_safe = jnp.where(seen, l, 1.0)
         qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
@@ -292,7 +279,6 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
         M.barriers(p.stages),
         M.barriers(p.stages) if d.segments else None,
         M.barriers(p.stages, arrivals=M.CONSUMERS),
-        M.barriers(1, arrivals=M.CONSUMERS),  # the consumers' scheduling barrier
     ]
     out, lse = M.kernel(
         functools.partial(_fwd_body, d=d, p=p), name="attention_fwd_mosaic",
