@@ -12,8 +12,9 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
   backward): per CTA, consumer warpgroups own 64 rows each of the resident tile (q rows in
   the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
   operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
-  With two consumers, one's softmax can run while the other's wgmma does; the forward
-  enforces that alternation with FA3's ping-pong scheduling barrier.
+  With two consumers, one's softmax can run while the other's wgmma does (not enforced:
+  FA3's ping-pong scheduling barrier is not used; with it the interpreter runs hung more
+  often, see tests/test_mosaic_attention.py).
 - Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
   converted to and from natural units at the edges.
 
