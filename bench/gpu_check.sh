@@ -4,8 +4,8 @@
 # numerics vs reference at realistic shapes), then the LLM-size benchmark, and writes
 # the log, JSON and chart to $OUT (or the first argument), and sweeps a few launch
 # configurations of the attention and conv2d kernels (bench/tune.py), writing the fastest to
-# $OUT/tuning.json for the tuning table (JAXBWD_TUNING=$OUT/tuning.json). Budget: under 14
-# minutes (the per-step timeouts add up to 805 s).
+# $OUT/tuning.json for the tuning table (JAXBWD_TUNING=$OUT/tuning.json). Budget: under 16
+# minutes (the per-step timeouts add up to 925 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench/results/$(date +%Y-%m-%d)}}
@@ -30,5 +30,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   echo "== forward mode through attention: attention_jvp kernel vs XLA formula vs jax.jvp of the reference"
   timeout 60 python bench/attention_jvp.py --implementation pallas 2>&1
   timeout 60 python bench/attention_jvp.py --implementation xla 2>&1
+  # --- Mosaic GPU backend (Hopper): attention by backend, Mosaic vs Triton vs cuDNN vs XLA.
+  # Adds up to 120 s to the budget above (prints "skipped" off sm_90). ---
+  echo "== bench/mosaic_attention.py (pallas_backend mosaic vs triton vs cudnn vs xla)"
+  timeout 120 python bench/mosaic_attention.py --repeats 10 --json "$out/mosaic_attention.json" 2>&1
+  # --- end Mosaic GPU block ---
 } 2>&1 | tee "$log"
 echo "wrote $out"

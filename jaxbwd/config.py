@@ -7,10 +7,31 @@ CPU through ``pallas_call(..., interpret=True)``) is off unless ``JAXBWD_INTERPR
 or set from code. The choice is read once, at trace time: a jitted function keeps
 what it was traced with.
 
+Pallas backends. The Pallas path compiles through Triton (the default) or, for the ops and
+GPU generations listed in ``MOSAIC_KERNELS``, through Mosaic GPU. The choice comes from
+``use(pallas_backend=...)``/``set_default(pallas_backend=...)``, ``JAXBWD_PALLAS_BACKEND``
+(``triton`` or ``mosaic``), or per call as ``implementation="pallas:mosaic"`` /
+``"pallas:triton"``. The rule when Mosaic is asked for an op, GPU generation or dtype the
+table does not list:
+
+- asked for through the settings (``use``, ``set_default``, the environment): that op runs
+  its Triton kernels, so a model can switch globally while only some ops have Mosaic
+  kernels;
+- asked for per call (``implementation="pallas:mosaic"``): ``ValueError``, since the caller
+  named that kernel explicitly.
+
+Mosaic interpret mode (``interpret=True`` with the Mosaic backend) runs the kernels in Mosaic
+GPU's interpreter (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA,
+barriers and wgmma and, with ``detect_races`` (on by default here), checks for data races.
+Without a GPU the generation is Hopper (sm_90), the one the interpreter simulates.
+
 Example::
 
     with jaxbwd.config.use(implementation="pallas", interpret=True):
         loss, grads = jax.value_and_grad(loss_fn)(params)
+
+    with jaxbwd.config.use(pallas_backend="mosaic"):
+        out = jaxbwd.dot_product_attention(q, k, v, is_causal=True)
 """
 from __future__ import annotations
 
@@ -23,6 +44,20 @@ from typing import Any, Iterator, Optional
 import jax
 
 IMPLEMENTATIONS = ("pallas", "xla")
+PALLAS_BACKENDS = ("triton", "mosaic")
+# Per-call spellings of a Pallas backend: ``implementation="pallas:mosaic"``.
+_PER_CALL = {f"pallas:{b}": b for b in PALLAS_BACKENDS}
+
+# Ops with a Mosaic GPU kernel: op -> {compute capability (major * 10 + minor) -> what it
+# covers: input "dtypes" and the largest last dim of the first input ("max_last_dim", the
+# head dim for attention)}. A generation not listed runs Triton. Triton stays the default
+# for every op until GPU timing (bench/gpu_check.sh) shows a Mosaic kernel ahead there.
+MOSAIC_KERNELS = {
+    # wgmma (sm_90a) with f32 accumulators; 16-bit inputs only (f32 would be tf32 in wgmma,
+    # below the f32 contract's accuracy); head dims over 128 do not fit the backward's tiles
+    # in shared memory (jaxbwd/pallas/mosaic/attention.py).
+    "dot_product_attention": {90: {"dtypes": ("bfloat16", "float16"), "max_last_dim": 128}},
+}
 
 
 def _env_implementation() -> Optional[str]:
@@ -36,6 +71,17 @@ def _env_implementation() -> Optional[str]:
     return value
 
 
+def _env_pallas_backend() -> str:
+    value = os.environ.get("JAXBWD_PALLAS_BACKEND", "").strip().lower()
+    if value in ("", "auto", "none"):
+        return "triton"
+    if value not in PALLAS_BACKENDS:
+        raise ValueError(
+            f"jaxbwd: JAXBWD_PALLAS_BACKEND must be one of {PALLAS_BACKENDS} or unset, got {value!r}"
+        )
+    return value
+
+
 def _env_interpret() -> bool:
     return os.environ.get("JAXBWD_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -44,6 +90,7 @@ def _env_interpret() -> bool:
 class _Settings:
     implementation: Optional[str]  # None: Pallas on GPU, XLA elsewhere
     interpret: bool
+    pallas_backend: str = "triton"
 
 
 _UNSET = object()
@@ -59,55 +106,68 @@ def _current() -> _Settings:
     if s is not None:
         return s
     if _default is None:
-        _default = _Settings(_env_implementation(), _env_interpret())
+        _default = _Settings(_env_implementation(), _env_interpret(), _env_pallas_backend())
     return _default
 
 
-def _check_implementation(implementation, where="implementation"):
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
+def _check_implementation(implementation, where="implementation", per_call=False):
+    ok = IMPLEMENTATIONS + (tuple(_PER_CALL) if per_call else ())
+    if implementation is not None and implementation not in ok:
+        extra = " (per call also 'pallas:triton' or 'pallas:mosaic')" if per_call else ""
         raise ValueError(
-            f"jaxbwd: {where} must be None, 'pallas' or 'xla', got {implementation!r}"
+            f"jaxbwd: {where} must be None, 'pallas' or 'xla', got {implementation!r}{extra}"
         )
 
 
-def _merged(implementation, interpret) -> _Settings:
+def _check_backend(pallas_backend):
+    if pallas_backend not in PALLAS_BACKENDS:
+        raise ValueError(f"jaxbwd: pallas_backend must be one of {PALLAS_BACKENDS}, got {pallas_backend!r}")
+
+
+def _merged(implementation, interpret, pallas_backend=_UNSET) -> _Settings:
     cur = _current()
     if implementation is not _UNSET:
         if implementation == "auto":
             implementation = None
         _check_implementation(implementation)
+    if pallas_backend is not _UNSET:
+        _check_backend(pallas_backend)
     return _Settings(
         cur.implementation if implementation is _UNSET else implementation,
         cur.interpret if interpret is _UNSET else bool(interpret),
+        cur.pallas_backend if pallas_backend is _UNSET else pallas_backend,
     )
 
 
-def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET) -> None:
+def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET) -> None:
     """Sets the process-wide defaults (seen by every thread); omitted arguments keep their value.
 
     Args:
       implementation: ``"pallas"``, ``"xla"``, or ``None``/``"auto"`` for Pallas on GPU and
         XLA elsewhere.
       interpret: run Pallas kernels in interpret mode (CPU).
+      pallas_backend: ``"triton"`` (default) or ``"mosaic"``: Mosaic GPU kernels for the ops
+        and GPU generations in ``MOSAIC_KERNELS``, Triton for the rest (module docstring).
 
     Raises:
-      ValueError: ``implementation`` is not one of those values.
+      ValueError: ``implementation`` or ``pallas_backend`` is not one of those values.
     """
     global _default
-    _default = _merged(implementation, interpret)
+    _default = _merged(implementation, interpret, pallas_backend)
 
 
 @contextlib.contextmanager
-def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET) -> Iterator[None]:
+def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET) -> Iterator[None]:
     """Context manager form of :func:`set_default`: overrides the settings inside the block
     (for this thread and context) and restores them on exit; omitted arguments are inherited.
 
     Only tracing that happens inside the ``with`` block sees the new settings.
 
     Raises:
-      ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``.
+      ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``;
+        ``pallas_backend`` is not ``"triton"`` or ``"mosaic"``.
     """
-    token = _override.set(_merged(implementation, interpret))
+    token = _override.set(_merged(implementation, interpret, pallas_backend))
     try:
         yield
     finally:
@@ -128,10 +188,55 @@ def default_implementation() -> str:
 
 
 def resolve(implementation: Optional[str], op: str) -> str:
-    """Resolves an op's ``implementation`` argument to ``"pallas"`` or ``"xla"`` at trace time.
+    """Resolves an op's ``implementation`` argument to ``"pallas"`` or ``"xla"`` at trace time
+    (``"pallas:triton"``/``"pallas:mosaic"`` resolve to ``"pallas"``).
 
     Raises:
       ValueError: an unknown implementation name.
     """
-    _check_implementation(implementation, f"{op}: implementation")
+    _check_implementation(implementation, f"{op}: implementation", per_call=True)
+    if implementation in _PER_CALL:
+        return "pallas"
     return implementation if implementation is not None else default_implementation()
+
+
+def pallas_backend() -> str:
+    """The Pallas backend the settings ask for (``"triton"`` or ``"mosaic"``), before the
+    per-op table is consulted (see :func:`resolve_pallas_backend`)."""
+    return _current().pallas_backend
+
+
+def mosaic_supported(op: str, dtype, sm: int, last_dim: Optional[int] = None) -> bool:
+    """Whether ``MOSAIC_KERNELS`` has a Mosaic GPU kernel for ``op`` on compute capability
+    ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``."""
+    entry = MOSAIC_KERNELS.get(op, {}).get(int(sm))
+    if entry is None or dtype is None or jax.numpy.dtype(dtype).name not in entry["dtypes"]:
+        return False
+    return last_dim is None or last_dim <= entry.get("max_last_dim", last_dim)
+
+
+def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: int,
+                           last_dim: Optional[int] = None) -> str:
+    """The Pallas backend an op's kernels use, at trace time: ``"triton"`` or ``"mosaic"``.
+
+    ``implementation="pallas:<backend>"`` names it per call; otherwise the settings do. Mosaic
+    runs only where ``MOSAIC_KERNELS`` lists ``op`` for generation ``sm`` and ``dtype``;
+    elsewhere a settings-wide choice falls back to Triton.
+
+    Raises:
+      ValueError: ``implementation="pallas:mosaic"`` for an op, generation or dtype without a
+        Mosaic kernel.
+    """
+    requested = _PER_CALL.get(implementation) if isinstance(implementation, str) else None
+    backend = requested or pallas_backend()
+    if backend == "mosaic" and not mosaic_supported(op, dtype, sm, last_dim):
+        if requested:
+            have = {f"sm_{k}": v for k, v in MOSAIC_KERNELS.get(op, {}).items()}
+            raise ValueError(
+                f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel for "
+                f"{jax.numpy.dtype(dtype).name} inputs with last dim {last_dim} on sm_{sm}; "
+                f"Mosaic kernels: {have or 'none'} "
+                f"(use 'pallas' for the Triton kernels)"
+            )
+        return "triton"
+    return backend

@@ -584,8 +584,48 @@ def _inst_per_s(mix, threads: int, call) -> Optional[float]:
     return round(mix["loop_sass"] * threads / (tile[0] * tile[1]), 1)
 
 
+# Mosaic GPU kernels (``pallas_backend="mosaic"``) are not in XLA's kernel cache: jaxlib's
+# Mosaic compiler turns each one into PTX and runs ptxas (for sm_90a) while the program is
+# lowered, and the ``mosaic_gpu_v2`` custom call carries the result. Its own dump switches
+# (read per compile) write what ptxas reported, the PTX and the shared-memory plan.
+_MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_RESOURCES")
+
+
+def mosaic_rows(dump_dir: str) -> list[dict[str, Any]]:
+    """Per Mosaic GPU kernel found in ``dump_dir`` (``MOSAIC_GPU_DUMP_TO``): its name, threads
+    per block (PTX ``.maxntid``), registers, stack, spill bytes and static shared memory
+    (ptxas), dynamic shared memory (Mosaic's resource plan) and, counted in the PTX,
+    ``wgmma.mma_async`` (-> ``hgmma``) and ``ex2.approx`` instructions. No SASS: there is no
+    cubin to read, so ``sass``/``expf`` are not known and the spill counts are ptxas's bytes."""
+    files = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
+    kernel_of = lambda f: re.sub(r"_\d+\.[a-z_.]+$", "", f)  # noqa: E731  "attention_fwd_mosaic_0.ptx"
+    rows = {}
+    for f in files:
+        path = os.path.join(dump_dir, f)
+        name = kernel_of(f)
+        row = rows.setdefault(name, {"kernel": name})
+        if f.endswith(".ptxas"):
+            text = open(path, errors="replace").read()
+            num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
+            row.update(registers=num(r"used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
+                       spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
+                       static_smem=num(r"info\s+: used .* (\d+) bytes smem"), local=0,
+                       wgmma_serialized="wgmma.mma_async instructions are serialized" in text,
+                       setmaxnreg_ignored="'setmaxnreg' ignored" in text)
+        elif f.endswith(".ptx"):
+            text = open(path, errors="replace").read()
+            m = re.search(r"\.maxntid (\d+)", text)
+            row.update(threads=int(m.group(1)) if m else 0, hgmma=text.count("wgmma.mma_async"),
+                       ex2=text.count("ex2.approx"))
+        elif f.endswith(".resources.txt"):
+            m = re.search(r"smem_scratch_bytes=(\d+)", open(path).read())
+            row["dynamic_smem"] = int(m.group(1)) if m else 0
+    return [r for r in rows.values() if "registers" in r]
+
+
 def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
-    """Compiles one case for its GPU without a GPU and returns one row per Pallas kernel."""
+    """Compiles one case for its GPU without a GPU and returns one row per Pallas kernel
+    (Triton kernels from XLA's kernel cache, Mosaic GPU kernels from Mosaic's dumps)."""
     import warnings
 
     import jax
@@ -598,6 +638,10 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     fn, arrays, op_min_bytes = _case_function(case)
     cache = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", case.id) + f".{time.monotonic_ns()}.kcache")
+    mosaic_dir = os.path.join(workdir, "mosaic")
+    shutil.rmtree(mosaic_dir, ignore_errors=True)
+    os.makedirs(mosaic_dir)
+    os.environ.update({k: "1" for k in _MOSAIC_DUMP_ENV}, MOSAIC_GPU_DUMP_TO=mosaic_dir)
     with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -633,6 +677,26 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
             "io_bytes": call.get("io_bytes"), "op_min_bytes": op_min_bytes,
             "compile_s": round(seconds, 2),
         })
+    for m in mosaic_rows(mosaic_dir):
+        smem = m.get("dynamic_smem", 0) + m["static_smem"]
+        threads = m.get("threads", 0)
+        occ = occupancy(target, registers=m["registers"], threads_per_block=threads, smem_per_block=smem)
+        same = [c for c in calls if c["name"] == m["kernel"]]
+        call = same[0] if same else {}
+        rows.append({
+            "op": case.op, "case": case.shape_name, "dtype": case.dtype, "gpu": case.gpu, "arch": target.arch,
+            "kernel": m["kernel"], "grid": list(call.get("grid") or ["?"]), "blocks": 0,
+            "num_warps": threads // 32, "num_stages": "mgpu", "threads": threads,
+            "registers": m["registers"], "stack": m["stack"], "static_smem": m["static_smem"], "local": 0,
+            "smem": smem, **occ, "waves": math.nan,
+            "sass": "-", "hgmma": m.get("hgmma", 0), "hmma": 0, "utcmma": 0, "ex2": m.get("ex2", 0), "expf": "-",
+            "spill_stores": m["spill_stores"], "spill_loads": m["spill_loads"],
+            "wgmma_serialized": m["wgmma_serialized"], "setmaxnreg_ignored": m["setmaxnreg_ignored"],
+            "tensor_core": "HGMMA" if m.get("hgmma") else "none",
+            "flops": call.get("flops"), "bytes_accessed": call.get("bytes_accessed"),
+            "io_bytes": call.get("io_bytes"), "op_min_bytes": op_min_bytes, "compile_s": round(seconds, 2),
+        })
+    shutil.rmtree(mosaic_dir, ignore_errors=True)
     total_io = sum(c["io_bytes"] for c in calls)
     for r in rows:
         r["op_io_bytes"] = total_io
@@ -763,11 +827,13 @@ def _meta(case_list, jobs, seconds) -> dict[str, Any]:
 
 
 def missing_kernels(report: dict[str, Any], case_list: Iterable[Case]) -> list[str]:
-    """``case id: kernel`` for every registry kernel a case's compile did not produce."""
+    """``case id: kernel`` for every registry kernel a case's compile did not produce (its
+    Mosaic GPU counterpart ``<kernel>_mosaic`` counts, under ``pallas_backend="mosaic"``)."""
     got = {(r["op"], r["case"], r["dtype"], r["gpu"], r["kernel"]) for r in report["rows"]}
     failed = {f["case"] for f in report["failures"]}
     return [f"{c.id}: {k}" for c in case_list if c.id not in failed
-            for k in c.kernels if (c.op, c.shape_name, c.dtype, c.gpu, k) not in got]
+            for k in c.kernels
+            if not {(c.op, c.shape_name, c.dtype, c.gpu, k), (c.op, c.shape_name, c.dtype, c.gpu, f"{k}_mosaic")} & got]
 
 
 # ------------------------------------------------------------------------- reporting

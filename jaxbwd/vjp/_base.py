@@ -24,10 +24,15 @@ class Impl:
 
     kind: str  # "pallas" or "xla"
     interpret: bool
+    backend: str = "triton"  # the Pallas backend: "triton" or "mosaic" (config.MOSAIC_KERNELS)
 
     @property
     def pallas(self) -> bool:
         return self.kind == "pallas"
+
+    @property
+    def mosaic(self) -> bool:
+        return self.kind == "pallas" and self.backend == "mosaic"
 
 
 def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
@@ -40,7 +45,15 @@ def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
     kind = config.resolve(implementation, op)
     if any(getattr(a, "size", 1) == 0 for a in arrays):
         kind = "xla"
-    return Impl(kind, config.interpret())
+    backend = "triton"
+    if kind == "pallas":
+        from jaxbwd.pallas import _common as C  # the GPU generation the kernels are built for
+
+        first = next((a for a in arrays if hasattr(a, "dtype")), None)
+        dtype = None if first is None else first.dtype
+        last_dim = first.shape[-1] if first is not None and first.ndim else None
+        backend = config.resolve_pallas_backend(implementation, op, dtype, C.sm_version(), last_dim)
+    return Impl(kind, config.interpret(), backend)
 
 
 def check_nonempty_axis(op: str, name: str, x: Any, axis: int, what: str) -> None:

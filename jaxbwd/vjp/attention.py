@@ -1,7 +1,10 @@
 """dot_product_attention: custom derivatives whose residuals are q, k, v, out and the f32 logsumexp.
 
 Pallas path: the flash-attention forward kernel emits out and lse; the backward runs the
-FlashAttention-2 dk/dv and dq kernels (``jaxbwd/pallas/attention.py``). XLA path: the same
+FlashAttention-2 dk/dv and dq kernels (``jaxbwd/pallas/attention.py``), or, with the Mosaic
+backend (``config.use(pallas_backend="mosaic")``, Hopper, 16-bit inputs, H <= 128), the
+warp-specialized Mosaic GPU kernels of ``jaxbwd/pallas/mosaic/attention.py`` with the same
+residuals (the forward-mode tangent stays on the Triton kernel). XLA path: the same
 algorithm blockwise over keys with ``lax.scan`` (online softmax forward, recompute-from-lse
 backward), so it too never saves (or holds at once) a T x S array.
 """
@@ -194,11 +197,20 @@ def _xla_tangent(q, k, v, qseg, kseg, o, lse, dq, dk, dv, cfg):
 
 
 # ------------------------------------------------------------------- the custom derivative
+def _kernels(cfg: _Cfg):
+    """The kernel module of the resolved Pallas backend (same signatures, same residuals)."""
+    if cfg.impl.mosaic:
+        from jaxbwd.pallas.mosaic import attention as mosaic_kernels  # imported when chosen
+
+        return mosaic_kernels
+    return kernels
+
+
 def _fwd_impl(q, k, v, qseg, kseg, cfg: _Cfg):
     if not cfg.impl.pallas:
         return _xla_fwd(q, k, v, qseg, kseg, cfg)
     d = _dims(q, k, cfg)
-    o2, lse = kernels.attention_fwd(
+    o2, lse = _kernels(cfg).attention_fwd(
         q.reshape(d.B * d.T, d.N * d.H), k.reshape(d.B * d.S, d.K * d.H), v.reshape(d.B * d.S, d.K * d.H),
         qseg, kseg, d, interpret=cfg.impl.interpret,
     )
@@ -219,7 +231,7 @@ def _attention_bwd(cfg, res, do):
     q, k, v, qseg, kseg, out, lse = res
     if cfg.impl.pallas:
         d = _dims(q, k, cfg)
-        dq, dk, dv = kernels.attention_bwd(
+        dq, dk, dv = _kernels(cfg).attention_bwd(
             q.reshape(d.B * d.T, d.N * d.H), k.reshape(d.B * d.S, d.K * d.H), v.reshape(d.B * d.S, d.K * d.H),
             qseg, kseg, out.reshape(d.B * d.T, d.N * d.H), lse.reshape(d.B * d.N, d.T),
             do.reshape(d.B * d.T, d.N * d.H), d, interpret=cfg.impl.interpret,

@@ -1,0 +1,513 @@
+"""Flash attention on Mosaic GPU for Hopper (sm_90): forward with logsumexp, dq and dk/dv.
+
+The same algorithm and residual contract as the Triton kernels (``jaxbwd/pallas/attention.py``:
+out, and lse in natural units, f32 [B*N, T]; FlashAttention-2 backward with ``delta =
+rowsum(out * dout)``), so either backend's backward accepts either forward's residuals.
+What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
+
+- TMA copies blocks of q, k, v (and do, lse, delta, segment ids) into 128-byte-swizzled
+  shared memory; wgmma reads its operands from there (the second operand always, the first
+  from registers for P and dS) and accumulates in f32 registers.
+- Warp specialization (FA3 Algorithm 1 for the forward, Algorithm 2's split for the
+  backward): per CTA, consumer warpgroups own 64 rows each of the resident tile (q rows in
+  the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
+  operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
+  With two consumers, one's softmax can run while the other's wgmma does (not enforced:
+  FA3's ping-pong scheduling barrier is not used; with it the interpreter runs hung more
+  often, see tests/test_mosaic_attention.py).
+- Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
+  converted to and from natural units at the edges.
+
+Tiles (``_plan``, sized from the compiled registers): 64 rows per consumer warpgroup
+(wgmma's M); two consumers (128 rows) per CTA in the forward and dq, and in dk/dv at head
+dim 64 (one above it); every kernel streams blocks of 64 through two ring stages. Shared
+memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64 KiB = 96 KiB; dq
+64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v + 64 KiB ring = 96
+KiB (of 227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to
+whole tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
+(``config.MOSAIC_KERNELS``): the backward's resident and streamed tiles would not fit.
+
+Masks (causal, sliding window, segment ids, the sequence tails) are applied per element on
+the blocks that need them; the forward and dq walk the key blocks every row of the CTA
+sees whole without masks (``_consume_kv``). Causal and window bounds limit the block range
+of a CTA (the union of its consumers' ranges); segment ids do not (no block skipping on
+this path).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import attention as TA
+from jaxbwd.pallas.mosaic import _mgpu as M
+
+Dims = TA.Dims
+NEG_INF = float("-inf")
+_LN2 = math.log(2.0)
+BQ = M.WG_ROWS
+CTA_ROWS = M.WG_ROWS * M.CONSUMERS
+MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Tile sizes of one problem: streamed block ``bk`` (fwd), ``bk_bwd``, ring ``stages``,
+    consumer warpgroups of the dk/dv kernel, padded ``Tp``, ``Sp``, ``Hp``."""
+
+    bk: int
+    bk_bwd: int
+    stages: int
+    dkdv_consumers: int
+    Tp: int
+    Sp: int
+    Hp: int
+
+
+_BLOCK_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("jaxbwd_mosaic_block_k", default=None)
+
+
+@contextlib.contextmanager
+def block_k(bk: int):
+    """Overrides the streamed key block of every kernel (a multiple of 64) while tracing:
+    small test shapes then span several blocks and wrap the ring."""
+    if bk % 64:
+        raise ValueError(f"jaxbwd.dot_product_attention: Mosaic block_k must be a multiple of 64, got {bk}")
+    token = _BLOCK_K.set(int(bk))
+    try:
+        yield
+    finally:
+        _BLOCK_K.reset(token)
+
+
+def _plan(d: Dims) -> _Plan:
+    Hp = C.cdiv(d.H, 64) * 64
+    over = _BLOCK_K.get()
+    # Registers decide the tiles. In jax 0.12.0.1 ptxas ignores setmaxnreg in Mosaic's
+    # kernels (C7504, "to maintain compatibility across compilation units"), so every thread
+    # gets 65536 / threads: 168 with three warpgroups (python -m jaxbwd compile). With
+    # 128-key steps the forward spilled (156 bytes at H = 128, 352 at H = 64), so every
+    # kernel streams 64 keys: a [64, 64] f32 score tile is 32 registers per thread.
+    # dk/dv holds two [64, H] f32 accumulators: at H = 128 that is 128 registers before any
+    # score tile (two consumers spilled 820 bytes and ptxas serialized the wgmmas), so it
+    # runs one consumer warpgroup (two warpgroups: 255 registers).
+    bk = over or 64
+    bk_bwd = over or 64
+    dkdv_consumers = M.CONSUMERS if Hp <= 64 else 1
+    Tp = C.cdiv(d.T, CTA_ROWS) * CTA_ROWS
+    Sp = C.cdiv(d.S, max(bk, CTA_ROWS)) * max(bk, CTA_ROWS)
+    return _Plan(bk, bk_bwd, 2, dkdv_consumers, Tp, Sp, Hp)
+
+
+def supported(d: Dims, dtype) -> Optional[str]:
+    """None when these kernels run ``d`` with ``dtype`` inputs, else the reason."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"16-bit inputs only, got {jnp.dtype(dtype).name}"
+    if d.H > MAX_HEAD_DIM:
+        return f"head dim <= {MAX_HEAD_DIM}, got {d.H}"
+    return None
+
+
+# -------------------------------------------------------------------------- shared pieces
+def _scaled(d: Dims, s):
+    """Base-2 logits from f32 ``q k^T`` and, under a softcap, ``t = tanh(scale q k^T / c)``."""
+    if d.softcap is None:
+        return s * (d.scale * C.LOG2E), None
+    t = jnp.tanh(s * (d.scale / d.softcap))
+    return t * (d.softcap * C.LOG2E), t
+
+
+def _mask(d: Dims, r, c, qs, ks):
+    """Query rows ``r`` vs key columns ``c`` (int32 tiles); ``qs``/``ks`` segment id tiles."""
+    m = TA.position_mask((r < d.T) & (c < d.S), r, c, d.causal, d.window)
+    if qs is not None:
+        m = m & (qs == ks)
+    return m
+
+
+def _bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _views(d: Dims, p: _Plan, q2, k2, v2, qseg, kseg):
+    """[B, Tp, N, Hp] and [B, Sp, K, Hp] padded arrays from the [B*T, N*H] views."""
+    q = _pad_to(_pad_to(q2.reshape(d.B, d.T, d.N, d.H), 3, p.Hp), 1, p.Tp)
+    k = _pad_to(_pad_to(k2.reshape(d.B, d.S, d.K, d.H), 3, p.Hp), 1, p.Sp)
+    v = _pad_to(_pad_to(v2.reshape(d.B, d.S, d.K, d.H), 3, p.Hp), 1, p.Sp)
+    segs = ()
+    if d.segments:
+        segs = (_pad_to(qseg, 1, p.Tp, -1), _pad_to(kseg, 1, p.Sp, -2))
+    return q, k, v, segs
+
+
+def _unpad(x, d: Dims, L: int, heads: int):
+    return x[:, :L, :, : d.H].reshape(d.B * L, heads * d.H)
+
+
+def _consume_kv(d: Dims, qi, lo, hi, bk: int, st: int, consumed, step, carry):
+    """A consumer's walk over key blocks [lo, hi) of query CTA ``qi``: first the blocks every
+    row of the CTA sees whole (below the causal diagonal, inside S, no window or segment
+    ids) with ``step(..., masked=False)``, then the rest with the element masks (as FA3
+    splits its loop, so that the interior blocks skip the iota/compare/select work)."""
+    if d.window is not None or d.segments:
+        mid = lo
+    else:
+        mid = d.S // bk
+        if d.causal:
+            mid = jnp.minimum(mid, lax.div(qi * CTA_ROWS, bk))
+        mid = jnp.clip(mid, lo, hi)
+    carry = M.consume(lo, mid, st, consumed, functools.partial(step, masked=False), carry, base=lo)
+    return M.consume(mid, hi, st, consumed, step, carry, base=lo)
+
+
+# ----------------------------------------------------------------------------- forward
+def _fwd_body(*refs, d: Dims, p: _Plan):
+    nin = 5 if d.segments else 3
+    ins, (o_ref, lse_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
+    q_ref, k_ref, v_ref = ins[:3]
+    qs_ref, ks_ref = ins[3:] if d.segments else (None, None)
+    q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed = scratch
+    bk, st = p.bk, p.stages
+    qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kvh = lax.div(n, d.G)
+    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    wg = M.wg_index()
+
+    @M.when(wg == M.CONSUMERS)
+    def _producer():
+        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
+                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
+        if d.segments:
+            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < M.CONSUMERS)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        r0 = qi * CTA_ROWS + wg * BQ
+        qsm = q_smem.at[wg]
+        M.copy_gmem_to_smem(q_ref.at[b, M.ds(r0, BQ), n], qsm, q_bar.at[wg])
+        qs = None
+        if d.segments:
+            M.copy_gmem_to_smem(qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg], q_bar.at[M.CONSUMERS + wg])
+            M.barrier_wait(q_bar.at[M.CONSUMERS + wg])
+            qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), (BQ, bk))
+        M.barrier_wait(q_bar.at[wg])
+        rows = M.iota((BQ, bk), 0) + r0
+        cols0 = M.iota((BQ, bk), 1)
+
+        def step(j, slot, carry, masked=True):
+            acc, m, l = carry
+            M.barrier_wait(k_bar.at[slot])
+            s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk)))
+            ks = None
+            if d.segments:
+                M.barrier_wait(ks_bar.at[slot])
+                ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), (BQ, bk))
+            if masked:
+                s = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = jnp.exp2(m - m_safe)
+            pr = jnp.exp2(s - _bcast_rows(m_safe, (BQ, bk)))
+            l = l * alpha + pr.sum(axis=1)
+            acc = acc * _bcast_rows(alpha, (BQ, p.Hp))
+            M.barrier_wait(v_bar.at[slot])
+            acc = M.matmul(pr.astype(v_ring.dtype), v_ring.at[slot], None, acc=acc,
+                           stage=None if stage is None else stage.at[wg])
+            return acc, m_new, l
+
+        rl = M.Layout.WGMMA.reduce(1)
+        init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
+        acc, m, l = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, init)
+        seen = l > 0.0
+        l_safe = jnp.where(seen, l, 1.0)
+        qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
+        # The residual in natural units: lse = ln(2) * (m2 + log2(l)).
+        lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, NEG_INF)
+        M.commit_smem()
+        M.copy_smem_to_gmem(qsm, o_ref.at[b, M.ds(r0, BQ), n])
+        M.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, M.ds(r0, BQ)])
+        M.wait_smem_to_gmem(0)
+
+
+def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
+    """Flash-attention forward on Mosaic GPU (FA3 Algorithm 1, warp specialized).
+
+    Args:
+      q2: [B*T, N*H] view of q; k2, v2: [B*S, K*H] views of k, v (bfloat16 or float16, H <=
+        128); qseg [B, T], kseg [B, S] int32, or ``None`` when ``d.segments`` is False.
+    Returns:
+      out [B*T, N*H] in q's dtype and lse [B*N, T] float32 in natural units (-inf for rows
+      that see no key): the Triton forward's residual contract.
+    Raises:
+      ValueError: a dtype or head dim these kernels do not cover (see :func:`supported`).
+    """
+    _check(d, q2.dtype)
+    p = _plan(d)
+    q, k, v, segs = _views(d, p, q2, k2, v2, qseg, kseg)
+    dt = q.dtype
+    scratch = [
+        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.tile_smem((p.stages, p.bk, p.Hp), dt),
+        M.tile_smem((p.stages, p.bk, p.Hp), dt),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.int32) if d.segments else None,
+        M.vec_smem((p.stages, p.bk), jnp.int32) if d.segments else None,
+        M.stage_smem((BQ, p.bk), dt, interpret),
+        M.barriers(2 * M.CONSUMERS),
+        M.barriers(p.stages),
+        M.barriers(p.stages),
+        M.barriers(p.stages) if d.segments else None,
+        M.barriers(p.stages, arrivals=M.CONSUMERS),
+    ]
+    out, lse = M.kernel(
+        functools.partial(_fwd_body, d=d, p=p), name="attention_fwd_mosaic",
+        out_type=[jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((d.B, d.N, p.Tp), jnp.float32)],
+        grid=(p.Tp // CTA_ROWS, d.N, d.B), grid_names=("q", "heads", "batch"), scratch=scratch,
+        interpret=interpret,
+    )(q, k, v, *segs)
+    return _unpad(out, d, d.T, d.N), lse[:, :, : d.T].reshape(d.B * d.N, d.T)
+
+
+def _check(d: Dims, dtype):
+    why = supported(d, dtype)
+    if why is not None:
+        raise ValueError(f"jaxbwd.dot_product_attention: the Mosaic GPU kernels need {why}")
+
+
+# ---------------------------------------------------------------------------- backward
+def _dq_body(*refs, d: Dims, p: _Plan):
+    """FA3 Algorithm 2's dQ half: consumers own 64 query rows, the producer streams k, v."""
+    nin = 8 if d.segments else 6
+    ins, dq_ref, scratch = refs[:nin], refs[nin], refs[nin + 1:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    qs_ref, ks_ref = ins[6:] if d.segments else (None, None)
+    (q_smem, do_smem, lse_smem, delta_smem, qs_smem, k_ring, v_ring, ks_ring, stage,
+     q_bar, k_bar, v_bar, ks_bar, consumed) = scratch
+    bk, st = p.bk_bwd, p.stages
+    qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kvh = lax.div(n, d.G)
+    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    wg = M.wg_index()
+
+    @M.when(wg == M.CONSUMERS)
+    def _producer():
+        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
+                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
+        if d.segments:
+            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < M.CONSUMERS)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        r0 = qi * CTA_ROWS + wg * BQ
+        rows_at = (b, M.ds(r0, BQ), n)
+        loads = [(q_ref.at[rows_at], q_smem.at[wg]), (do_ref.at[rows_at], do_smem.at[wg]),
+                 (lse_ref.at[b, n, M.ds(r0, BQ)], lse_smem.at[wg]),
+                 (delta_ref.at[b, n, M.ds(r0, BQ)], delta_smem.at[wg])]
+        if d.segments:
+            loads.append((qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg]))
+        for i, (src, dst) in enumerate(loads):
+            M.copy_gmem_to_smem(src, dst, q_bar.at[i * M.CONSUMERS + wg])
+        for i in range(len(loads)):
+            M.barrier_wait(q_bar.at[i * M.CONSUMERS + wg])
+        shape = (BQ, bk)
+        lse2 = _bcast_rows(M.row_vector(lse_smem.at[wg]) * C.LOG2E, shape)
+        delta = _bcast_rows(M.row_vector(delta_smem.at[wg]), shape)
+        qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), shape) if d.segments else None
+        rows = M.iota(shape, 0) + r0
+        cols0 = M.iota(shape, 1)
+
+        def step(j, slot, dq, masked=True):
+            M.barrier_wait(k_bar.at[slot])
+            s, t = _scaled(d, M.matmul(q_smem.at[wg], k_ring.at[slot].T, shape))
+            ks = None
+            if d.segments:
+                M.barrier_wait(ks_bar.at[slot])
+                ks = _bcast_cols(M.col_vector(ks_ring.at[slot]), shape)
+            pr = jnp.exp2(s - lse2)
+            if masked:
+                pr = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), pr, 0.0)
+            M.barrier_wait(v_bar.at[slot])
+            dp = M.matmul(do_smem.at[wg], v_ring.at[slot].T, shape)
+            dsc = pr * (dp - delta)
+            if t is not None:
+                dsc = dsc * (1.0 - t * t)
+            return M.matmul(dsc.astype(k_ring.dtype), k_ring.at[slot], None, acc=dq,
+                            stage=None if stage is None else stage.at[wg])
+
+        dq = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, M.zeros((BQ, p.Hp)))
+        q_smem.at[wg][...] = (dq * d.scale).astype(q_smem.dtype)
+        M.commit_smem()
+        M.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows_at])
+        M.wait_smem_to_gmem(0)
+
+
+def _dkdv_body(*refs, d: Dims, p: _Plan):
+    """FA3 Algorithm 2's dK/dV half: consumers own 64 key rows and accumulate dK and dV over
+    every query block of the G query heads of their kv head (GQA reduced in-kernel, no
+    atomics); the producer streams q, do, lse, delta (and query segment ids)."""
+    nin = 8 if d.segments else 6
+    ins, (dk_ref, dv_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+    qs_ref, ks_ref = ins[6:] if d.segments else (None, None)
+    (k_smem, v_smem, ks_smem, q_ring, do_ring, lse_ring, delta_ring, qs_ring, stage,
+     kv_bar, q_bar, do_bar, lse_bar, delta_bar, qs_bar, consumed) = scratch
+    bq, st = p.bk_bwd, p.stages  # streamed query block
+    nc = p.dkdv_consumers
+    cta = nc * M.WG_ROWS
+    ci, kvh, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    qlo, qhi = TA._q_range(d, ci * cta, bq, cta)
+    nq = jnp.maximum(qhi - qlo, 0)
+    # One flat stream over (query head g of the group, query block i): step -> (g, i).
+    lo, hi = 0, d.G * nq
+    head = lambda step: kvh * d.G + lax.div(step, jnp.maximum(nq, 1))
+    qblk = lambda step: qlo + lax.rem(step, jnp.maximum(nq, 1))
+    wg = M.wg_index()
+
+    @M.when(wg == nc)
+    def _producer():
+        rows = lambda s: M.ds(qblk(s) * bq, bq)
+        sources = [(lambda s: q_ref.at[b, rows(s), head(s)], q_ring, q_bar),
+                   (lambda s: do_ref.at[b, rows(s), head(s)], do_ring, do_bar),
+                   (lambda s: lse_ref.at[b, head(s), rows(s)], lse_ring, lse_bar),
+                   (lambda s: delta_ref.at[b, head(s), rows(s)], delta_ring, delta_bar)]
+        if d.segments:
+            sources.append((lambda s: qs_ref.at[b, rows(s)], qs_ring, qs_bar))
+        M.produce(lo, hi, st, sources, consumed)
+
+    @M.when(wg < nc)
+    def _consumer():
+        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        c0 = ci * cta + wg * BQ
+        cols_at = (b, M.ds(c0, BQ), kvh)
+        loads = [(k_ref.at[cols_at], k_smem.at[wg]), (v_ref.at[cols_at], v_smem.at[wg])]
+        if d.segments:
+            loads.append((ks_ref.at[b, M.ds(c0, BQ)], ks_smem.at[wg]))
+        for i, (src, dst) in enumerate(loads):
+            M.copy_gmem_to_smem(src, dst, kv_bar.at[i * nc + wg])
+        for i in range(len(loads)):
+            M.barrier_wait(kv_bar.at[i * nc + wg])
+        shape = (BQ, bq)  # transposed tiles: key rows x query columns
+        ks = _bcast_rows(M.row_vector(ks_smem.at[wg]), shape) if d.segments else None
+        cols = M.iota(shape, 0) + c0
+        rows0 = M.iota(shape, 1)
+        stg = None if stage is None else stage.at[wg]
+
+        def step(s_, slot, carry):
+            dk, dv = carry
+            M.barrier_wait(q_bar.at[slot])
+            sT, t = _scaled(d, M.matmul(k_smem.at[wg], q_ring.at[slot].T, shape))
+            M.barrier_wait(lse_bar.at[slot])
+            lse2 = _bcast_cols(M.col_vector(lse_ring.at[slot]) * C.LOG2E, shape)
+            qs = None
+            if d.segments:
+                M.barrier_wait(qs_bar.at[slot])
+                qs = _bcast_cols(M.col_vector(qs_ring.at[slot]), shape)
+            m = _mask(d, rows0 + qblk(s_) * bq, cols, qs, ks)
+            pT = jnp.where(m, jnp.exp2(sT - lse2), 0.0)
+            M.barrier_wait(do_bar.at[slot])
+            dv = M.matmul(pT.astype(do_ring.dtype), do_ring.at[slot], None, acc=dv, stage=stg)
+            dpT = M.matmul(v_smem.at[wg], do_ring.at[slot].T, shape)
+            M.barrier_wait(delta_bar.at[slot])
+            dsT = pT * (dpT - _bcast_cols(M.col_vector(delta_ring.at[slot]), shape))
+            if t is not None:
+                dsT = dsT * (1.0 - t * t)
+            dk = M.matmul(dsT.astype(q_ring.dtype), q_ring.at[slot], None, acc=dk, stage=stg)
+            return dk, dv
+
+        init = (M.zeros((BQ, p.Hp)), M.zeros((BQ, p.Hp)))
+        dk, dv = M.consume(lo, hi, st, consumed, step, init)
+        k_smem.at[wg][...] = (dk * d.scale).astype(k_smem.dtype)
+        v_smem.at[wg][...] = dv.astype(v_smem.dtype)
+        M.commit_smem()
+        M.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[cols_at])
+        M.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[cols_at])
+        M.wait_smem_to_gmem(0)
+
+
+def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: bool = False):
+    """FlashAttention backward on Mosaic GPU: dq [B*T, N*H], dk and dv [B*S, K*H] in the
+    inputs' dtypes, from the forward's residuals (out and lse [B*N, T] f32, natural units,
+    from either backend's forward). Two kernels, deterministic (no atomics): dk/dv with one
+    CTA per (128 keys, kv head), dq with one CTA per (128 queries, head).
+
+    ``delta = rowsum(out * dout)`` (f32) is computed by XLA, as on the Triton path.
+    Raises:
+      ValueError: a dtype or head dim these kernels do not cover (see :func:`supported`).
+    """
+    _check(d, q2.dtype)
+    p = _plan(d)
+    q, k, v, segs = _views(d, p, q2, k2, v2, qseg, kseg)
+    do = _pad_to(_pad_to(do2.reshape(d.B, d.T, d.N, d.H), 3, p.Hp), 1, p.Tp)
+    delta = jnp.sum(o2.astype(jnp.float32).reshape(d.B, d.T, d.N, d.H)
+                    * do2.astype(jnp.float32).reshape(d.B, d.T, d.N, d.H), axis=-1).transpose(0, 2, 1)
+    delta = _pad_to(delta, 2, p.Tp)
+    lse3 = _pad_to(lse.reshape(d.B, d.N, d.T), 2, p.Tp)
+    dt, bk, st = q.dtype, p.bk_bwd, p.stages
+    inputs = (q, k, v, do, lse3, delta) + segs
+    i32 = jnp.int32
+    seg = d.segments
+
+    dq_scratch = [
+        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt), M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.vec_smem((M.CONSUMERS, BQ), jnp.float32), M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
+        M.vec_smem((M.CONSUMERS, BQ), i32) if seg else None,
+        M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
+        M.vec_smem((st, bk), i32) if seg else None,
+        M.stage_smem((BQ, bk), dt, interpret),
+        M.barriers(5 * M.CONSUMERS), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=M.CONSUMERS),
+    ]
+    dq = M.kernel(
+        functools.partial(_dq_body, d=d, p=p), name="attention_bwd_dq_mosaic",
+        out_type=jax.ShapeDtypeStruct(q.shape, dt), grid=(p.Tp // CTA_ROWS, d.N, d.B),
+        grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret,
+    )(*inputs)
+
+    if interpret:
+        # Mosaic's interpreter (jax 0.12) can deadlock when XLA runs two interpreted kernels
+        # at once (dq and dk/dv do not depend on each other): seen as warpgroup threads
+        # blocked on barriers for minutes. Ordering dk/dv after dq avoids it; compiled
+        # kernels need no such order.
+        dq, inputs = lax.optimization_barrier((dq, inputs))
+    nc = p.dkdv_consumers
+    dkdv_scratch = [
+        M.tile_smem((nc, BQ, p.Hp), dt), M.tile_smem((nc, BQ, p.Hp), dt),
+        M.vec_smem((nc, BQ), i32) if seg else None,
+        M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
+        M.vec_smem((st, bk), jnp.float32), M.vec_smem((st, bk), jnp.float32),
+        M.vec_smem((st, bk), i32) if seg else None,
+        M.stage_smem((BQ, bk), dt, interpret, nc),
+        M.barriers(3 * nc), M.barriers(st), M.barriers(st), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=nc),
+    ]
+    kv_shape = jax.ShapeDtypeStruct(k.shape, dt)
+    dk, dv = M.kernel(
+        functools.partial(_dkdv_body, d=d, p=p), name="attention_bwd_dkdv_mosaic",
+        out_type=[kv_shape, kv_shape], grid=(p.Sp // (nc * M.WG_ROWS), d.K, d.B),
+        grid_names=("kv", "heads", "batch"), scratch=dkdv_scratch, interpret=interpret, consumers=nc,
+    )(*inputs)
+    return _unpad(dq, d, d.T, d.N), _unpad(dk, d, d.S, d.K), _unpad(dv, d, d.S, d.K)

@@ -1,0 +1,268 @@
+"""dot_product_attention under ``pallas_backend="mosaic"``: the attention contract run through
+the Mosaic GPU kernels in Mosaic's interpreter with race detection, the backend switch, and
+lowering for CUDA.
+
+Mosaic GPU's interpreter (``plgpu.InterpretGPUParams(detect_races=True)``) simulates shared
+memory, TMA, mbarriers and wgmma with one CPU thread per warpgroup (two consumers and the
+producer) and raises on a data race. The Mosaic kernels take 16-bit inputs
+(``config.MOSAIC_KERNELS``), so the contract cases run in bfloat16 (tolerance 2e-2 of the
+largest value, as tests/test_attention.py). ``block_k(64)`` makes the multi-block cases
+stream several key (or query) blocks through the two-slot ring, so it wraps.
+
+Known (jax 0.12.0.1): the interpreter deadlocked when XLA ran the two backward kernels at
+once (they do not depend on each other); the Mosaic backward orders them when interpreting.
+One larger run of the dq kernel alone with segment ids (B=1, T=150, S=200, N=4, K=2, race
+detection on) also did not finish (threads blocked on barriers at 2% CPU), while the same
+run without race detection finished and matched the Triton kernel; not resolved. With a
+ping-pong scheduling barrier in the forward, runs of these tests hung intermittently on a
+loaded 2-core machine (two warpgroup threads blocked on barriers, the third never
+scheduled), so the forward does without it. The shapes here ran to completion.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_attention as TA  # the attention contract's cases and checker
+from jaxbwd import config
+from jaxbwd.pallas import attention as PA
+from jaxbwd.pallas.mosaic import attention as MA
+from jaxbwd.vjp.attention import dot_product_attention
+
+MOSAIC = ("attention_fwd_mosaic", "attention_bwd_dkdv_mosaic", "attention_bwd_dq_mosaic")
+
+
+def _names(f, *args):
+    found = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(f)(*args))))
+    return found & set(MOSAIC + TA.KERNELS)
+
+
+def _fwd_bwd(impl, **kw):
+    f = lambda q, k, v: dot_product_attention(q, k, v, implementation=impl, **kw)
+
+    def fwd_bwd(q, k, v, ct):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(ct)
+    return fwd_bwd
+
+
+# The tests that run the kernels in Mosaic's interpreter are opt-in (JAXBWD_MOSAIC_INTERPRET_TESTS=1):
+# besides taking minutes on 2 cores, the interpreter's runs have hung intermittently (see the
+# module docstring), which a CI run cannot absorb. The switch, lowering and compile tests run always.
+interpreted = pytest.mark.skipif(
+    os.environ.get("JAXBWD_MOSAIC_INTERPRET_TESTS") != "1",
+    reason="runs Mosaic GPU kernels in Mosaic's interpreter, whose runs have hung intermittently on "
+           "jax 0.12.0.1 (module docstring); opt in with JAXBWD_MOSAIC_INTERPRET_TESTS=1")
+
+# Each case takes 20-85 s in Mosaic's interpreter on 2 busy cores (three simulated
+# warpgroups per CTA, race detection on). Three cases that cover GQA, head-dim padding,
+# causal bounds, segment ids and the softcap run by default; the rest (windows among them,
+# also in the multi-block cases) are marked slow (deselect with -m "not slow").
+FAST = ("mha-H20-pad", "segments3-causal", "softcap30")
+
+
+@interpreted
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in TA.CASES])
+def test_contract_cases_bf16(case):
+    kw = dict(TA.CASES[case])
+    with config.use(pallas_backend="mosaic"):
+        q, k, v, ct = TA._inputs(*(kw.pop(x) for x in "BTSNKH"), "bfloat16")
+        f = _fwd_bwd("pallas", **kw)
+        assert _names(f, q, k, v, ct) == set(MOSAIC)
+    _compare(q, k, v, ct, kw)
+
+
+def _compare(q, k, v, ct, kw, bk=None):
+    with config.use(pallas_backend="mosaic"), (MA.block_k(bk) if bk else contextlib.nullcontext()):
+        out, grads = jax.jit(_fwd_bwd("pallas", **kw))(q, k, v, ct)
+    f32 = lambda x: x.astype(jnp.float32)
+
+    @jax.jit
+    def truth(q, k, v, ct):
+        want, vjp_ref = jax.vjp(lambda q, k, v: TA.ref.dot_product_attention(q, k, v, **kw), q, k, v)
+        return want, vjp_ref(ct)
+
+    want, want_grads = truth(f32(q), f32(k), f32(v), f32(ct))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for g, x in zip(grads, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        assert bool(jnp.all(jnp.isfinite(f32(g))))
+    TA._close(out, want, TA.TOL["bfloat16"])
+    TA._close(grads, want_grads, TA.TOL["bfloat16"])
+
+
+# Several 128-row CTAs, several key blocks of 64 through the two-slot ring (it wraps), ragged
+# tails in T and S, GQA, head dims padded to 64 and 128.
+SEG_LONG = jnp.array([[0] * 60 + [1] * 50 + [2] * 40], jnp.int32)
+MULTI = {
+    "T150-S200-gqa2-causal-H64": dict(B=1, T=150, S=200, N=2, K=1, H=64, is_causal=True),
+    "T70-S200-H128": dict(B=1, T=70, S=200, N=2, K=1, H=128),
+    "T150-gqa2-segments-window-softcap-H40": dict(B=1, T=150, S=150, N=2, K=1, H=40, is_causal=True,
+                                                 segment_ids=SEG_LONG, sliding_window=90, logit_softcap=20.0),
+}
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(MULTI))
+def test_multi_block_pipeline_bf16(case):
+    kw = dict(MULTI[case])
+    q, k, v, ct = TA._inputs(*(kw.pop(x) for x in "BTSNKH"), "bfloat16")
+    _compare(q, k, v, ct, kw, bk=64)
+
+
+@interpreted
+def test_residuals_shared_with_triton():
+    # Same residual contract: the Mosaic forward's lse equals the Triton forward's, and the
+    # Mosaic backward from Triton's residuals matches the Triton backward.
+    B, T, S, N, K, H = 1, 70, 90, 2, 1, 64
+    d = PA.Dims(B, T, S, N, K, H, H ** -0.5, True, None, None, False)
+    q, k, v, do = TA._inputs(B, T, S, N, K, H, "bfloat16")
+    q2, k2, v2, do2 = q.reshape(B * T, N * H), k.reshape(B * S, K * H), v.reshape(B * S, K * H), do.reshape(B * T, N * H)
+    o_t, lse_t = PA.attention_fwd(q2, k2, v2, None, None, d, interpret=True)
+    o_m, lse_m = MA.attention_fwd(q2, k2, v2, None, None, d, interpret=True)
+    assert lse_m.shape == lse_t.shape == (B * N, T) and lse_m.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
+    TA._close(o_m, o_t.astype(jnp.float32), 2e-2)
+    want = PA.attention_bwd(q2, k2, v2, None, None, o_t, lse_t, do2, d, interpret=True)
+    got = MA.attention_bwd(q2, k2, v2, None, None, o_t, lse_t, do2, d, interpret=True)
+    TA._close(got, tuple(w.astype(jnp.float32) for w in want), 2e-2)
+
+
+# ------------------------------------------------------------------------- the switch
+def _kernels_for(impl, dtype="bfloat16", H=16, **use):
+    q, k, v, ct = TA._inputs(1, 12, 12, 2, 1, H, dtype)
+    with config.use(**use):
+        return _names(_fwd_bwd(impl, is_causal=True), q, k, v, ct)
+
+
+def test_triton_is_the_default():
+    assert config.pallas_backend() == "triton"
+    assert _kernels_for("pallas") == set(TA.KERNELS)
+
+
+def test_settings_choose_mosaic_per_op_and_fall_back_to_triton():
+    assert _kernels_for("pallas", pallas_backend="mosaic") == set(MOSAIC)
+    # No Mosaic kernel for f32 inputs or head dims over 128: the settings-wide choice runs Triton.
+    assert _kernels_for("pallas", "float32", pallas_backend="mosaic") == set(TA.KERNELS)
+    assert _kernels_for("pallas", H=192, pallas_backend="mosaic") == set(TA.KERNELS)
+    # Per call, in both directions.
+    assert _kernels_for("pallas:mosaic") == set(MOSAIC)
+    assert _kernels_for("pallas:triton", pallas_backend="mosaic") == set(TA.KERNELS)
+
+
+def test_per_call_mosaic_without_a_kernel_raises():
+    with pytest.raises(ValueError, match=r"dot_product_attention: implementation='pallas:mosaic' has no Mosaic "
+                                         r"GPU kernel for float32 inputs with last dim 16 on sm_90"):
+        _kernels_for("pallas:mosaic", "float32")
+
+
+def test_bad_backend_names():
+    with pytest.raises(ValueError, match=r"pallas_backend must be one of \('triton', 'mosaic'\), got 'cuda'"):
+        with config.use(pallas_backend="cuda"):
+            pass
+    with pytest.raises(ValueError, match=r"implementation must be None, 'pallas' or 'xla', got 'mosaic' \(per call also "
+                                         r"'pallas:triton' or 'pallas:mosaic'\)"):
+        dot_product_attention(*TA._inputs(1, 4, 4, 1, 1, 16)[:3], implementation="mosaic")
+
+
+def test_environment_variable():
+    code = ("from jaxbwd import config; print(config.pallas_backend()); "
+            "print(config.resolve_pallas_backend(None, 'dot_product_attention', 'bfloat16', 90)); "
+            "print(config.resolve_pallas_backend(None, 'rms_norm', 'bfloat16', 90)); "
+            "print(config.resolve_pallas_backend(None, 'dot_product_attention', 'bfloat16', 80))")
+    env = dict(os.environ, JAXBWD_PALLAS_BACKEND="mosaic", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["mosaic", "mosaic", "triton", "triton"]
+    env["JAXBWD_PALLAS_BACKEND"] = "rocm"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "JAXBWD_PALLAS_BACKEND must be one of ('triton', 'mosaic')" in bad.stderr
+
+
+# --------------------------------------------------------------------------- lowering
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(sliding_window=512, logit_softcap=30.0, segments=True)],
+                         ids=["causal", "window-softcap-segments"])
+def test_lowers_for_cuda_at_realistic_shapes(kw):
+    # T = 4096, head dim 128, GQA 32:8, bf16: forward and both backward kernels become
+    # mosaic_gpu_v2 custom calls, emitted without a GPU.
+    kw = dict(kw)
+    segments = kw.pop("segments", False)
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    q, k = sds(1, 4096, 32, 128), sds(1, 4096, 8, 128)
+    seg = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+
+    def loss(q, k, v, seg):
+        out = dot_product_attention(q, k, v, segment_ids=seg if segments else None, **kw)
+        return out.astype(jnp.float32).sum()
+
+    with config.use(implementation="pallas", interpret=False, pallas_backend="mosaic"):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 3
+    assert "__gpu$xla.gpu.triton" not in text
+
+
+@interpreted
+def test_forward_mode_tangent_from_mosaic_residuals():
+    # Forward mode keeps the Triton tangent kernel; under the Mosaic backend it reads the
+    # Mosaic forward's out and lse.
+    kw = dict(is_causal=True, logit_softcap=20.0)
+    q, k, v, _ = TA._inputs(1, 12, 12, 4, 2, 16, "bfloat16")
+    tq, tk, tv, _ = TA._inputs(1, 12, 12, 4, 2, 16, "bfloat16", seed=1)
+    f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
+    with config.use(pallas_backend="mosaic"):
+        found = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, tq, tk, tv))))
+        assert "attention_fwd_mosaic" in found and "attention_fwd" not in found
+        out, tangent = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, tq, tk, tv)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+    want, want_t = jax.jvp(lambda q, k, v: TA.ref.dot_product_attention(q, k, v, **kw), f32(q, k, v), f32(tq, tk, tv))
+    TA._close(out, want, TA.TOL["bfloat16"])
+    TA._close(tangent, want_t, TA.TOL["bfloat16"])
+
+
+# ------------------------------------------------------------- compiled figures
+def test_compile_instrument_reads_mosaic_dumps(tmp_path):
+    # What Mosaic's compiler writes with MOSAIC_GPU_DUMP_{PTX,PTXAS,RESOURCES} (abridged).
+    (tmp_path / "attention_fwd_mosaic_0.ptxas").write_text(
+        "ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility\n"
+        "ptxas         .     16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
+        "info    : used 150 registers, used 16 barriers, 16 stack, 1025 bytes smem, 1088 bytes cmem[0], 0 bytes lmem\n")
+    (tmp_path / "attention_fwd_mosaic_0.ptx").write_text(
+        ".maxntid 384, 1, 1\nwgmma.mma_async.sync\nwgmma.mma_async.sync\nex2.approx.ftz.f32\n")
+    (tmp_path / "attention_fwd_mosaic_1.resources.txt").write_text("Resources(smem_scratch_bytes=101376, tmem=0)")
+    from jaxbwd import deviceless
+
+    (row,) = deviceless.mosaic_rows(str(tmp_path))
+    assert row == {"kernel": "attention_fwd_mosaic", "registers": 150, "stack": 16, "spill_stores": 12,
+                   "spill_loads": 8, "static_smem": 1025, "local": 0, "wgmma_serialized": False,
+                   "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 1, "dynamic_smem": 101376}
+
+
+@pytest.mark.compile
+def test_mosaic_kernels_compile_for_h200(monkeypatch):
+    # Lowering runs Mosaic's compiler (PTX, then ptxas for sm_90a) on this CPU machine: every
+    # kernel at the registry's hd128 shape compiles, uses wgmma, fits shared memory and does
+    # not spill.
+    from jaxbwd import deviceless
+
+    missing = deviceless.missing_requirements()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: {deviceless.INSTALL_HINT}")
+    monkeypatch.setenv("JAXBWD_PALLAS_BACKEND", "mosaic")
+    cases = [c for c in deviceless.cases(["dot_product_attention"], dtypes=("bfloat16",), gpus=("h200",))
+             if "x128" in c.shape_name]
+    report = deviceless.run(cases, jobs=1)
+    assert not report["failures"], report["failures"]
+    rows = {r["kernel"]: r for r in report["rows"]}
+    assert set(rows) == set(MOSAIC)
+    for r in rows.values():
+        assert r["tensor_core"] == "HGMMA" and r["stack"] == 0 and r["spill_stores"] == 0, r
+        assert r["smem"] <= deviceless.GPUS["h200"].smem_per_block_optin, r
