@@ -389,22 +389,37 @@ def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
     return y.astype(x.dtype)
 
 
-def max_pool2d(x, window_shape, strides=None, padding="VALID"):
-    """Reference max pooling: ``flax.linen.max_pool`` (``lax.reduce_window`` max), NHWC."""
-    import flax.linen as fnn
-
+def _pool_args(x, window_shape, strides, padding):
+    """lax.reduce_window's window, strides and padding over NHWC for a 2-D pool, as flax's
+    ``pool`` builds them (padding "SAME"/"VALID" or ((top, bottom), (left, right)))."""
     w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
-    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
-    return fnn.max_pool(x, w, strides=s, padding=padding)
+    s = (1, 1) if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
+    if isinstance(padding, str):
+        padding = padding.upper()
+    else:
+        padding = ((0, 0),) + tuple(tuple(p) for p in padding) + ((0, 0),)
+    return (1,) + w + (1,), (1,) + s + (1,), padding
+
+
+def max_pool2d(x, window_shape, strides=None, padding="VALID"):
+    """Reference max pooling, NHWC: ``lax.reduce_window`` max with -inf padding, as
+    ``flax.linen.max_pool`` (strides default to 1)."""
+    dims, strides_, pad = _pool_args(x, window_shape, strides, padding)
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides_, pad)
 
 
 def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True):
-    """Reference average pooling: ``flax.linen.avg_pool`` in float32, NHWC."""
-    import flax.linen as fnn
-
-    w = (window_shape,) * 2 if isinstance(window_shape, int) else tuple(window_shape)
-    s = None if strides is None else ((strides,) * 2 if isinstance(strides, int) else tuple(strides))
-    return fnn.avg_pool(_f32(x), w, strides=s, padding=padding, count_include_pad=count_include_pad).astype(x.dtype)
+    """Reference average pooling in float32, NHWC, as ``flax.linen.avg_pool``: window sums
+    over zero padding, divided by the window size or (``count_include_pad=False``) by the
+    number of real elements in each window."""
+    dims, strides_, pad = _pool_args(x, window_shape, strides, padding)
+    xf = _f32(x)
+    total = jax.lax.reduce_window(xf, 0.0, jax.lax.add, dims, strides_, pad)
+    if count_include_pad:
+        y = total / (dims[1] * dims[2])
+    else:
+        y = total / jax.lax.reduce_window(jnp.ones_like(xf), 0.0, jax.lax.add, dims, strides_, pad)
+    return y.astype(x.dtype)
 
 
 def adaptive_avg_pool2d(x, output_size):
