@@ -258,7 +258,7 @@ def test_mosaic_kernels_compile_for_h200(monkeypatch):
         pytest.skip(f"needs {', '.join(missing)}: {deviceless.INSTALL_HINT}")
     monkeypatch.setenv("JAXBWD_PALLAS_BACKEND", "mosaic")
     cases = [c for c in deviceless.cases(["dot_product_attention"], dtypes=("bfloat16",), gpus=("h200",))
-             if "x128" in c.shape_name]
+             if "x128" in c.shape_name and c.mode == "vjp"]  # forward mode stays on Triton
     report = deviceless.run(cases, jobs=1)
     assert not report["failures"], report["failures"]
     rows = {r["kernel"]: r for r in report["rows"]}
