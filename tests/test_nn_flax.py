@@ -387,6 +387,38 @@ def test_nnx_bf16_inputs_promote_as_flax(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kwargs,x_dtype,kernel", [
+    ({}, jnp.float32, True),
+    ({"axis": 1, "momentum": 0.9}, jnp.float32, True),
+    ({"use_scale": False, "dtype": jnp.bfloat16}, jnp.float32, True),
+    ({"param_dtype": jnp.bfloat16, "use_bias": False}, jnp.bfloat16, True),
+    ({"axis_index_groups": [[0]]}, jnp.float32, False),
+])
+def test_nnx_batch_norm_matches_flax(kwargs, x_dtype, kernel, impl):
+    """jaxbwd.nn.nnx.BatchNorm against nnx.BatchNorm: a training call (output, parameter and
+    input grads, updated running statistics), then an eval call on those statistics."""
+    x = (2.0 + _rand((4, 5, 6, 8))).astype(x_dtype)
+    c = x.shape[kwargs.get("axis", -1)]
+    ours = jnnx.BatchNorm(c, **kwargs, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = nnx.BatchNorm(c, **kwargs, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(nnx.state(ours), nnx.state(theirs))
+    tol = _tol(x, nnx.state(theirs, nnx.Param), kwargs.get("dtype"))
+    loss = lambda m, x: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))  # noqa: E731
+    g, gw = nnx.grad(loss, argnums=(0, 1))(ours, x), nnx.grad(loss, argnums=(0, 1))(theirs, x)
+    chex.assert_trees_all_close(g, gw, **tol)
+    y, want = ours(x), theirs(x)
+    assert y.dtype == want.dtype
+    chex.assert_trees_all_close(y.astype(jnp.float32), want.astype(jnp.float32), **tol)
+    chex.assert_trees_all_equal_shapes_and_dtypes(nnx.state(ours, nnx.BatchStat), nnx.state(theirs, nnx.BatchStat))
+    chex.assert_trees_all_close(nnx.state(ours, nnx.BatchStat), nnx.state(theirs, nnx.BatchStat), **tol)
+    assert not jnp.allclose(ours.mean[...], 0.0)  # the statistics moved
+    y, want = ours(x, use_running_average=True), theirs(x, use_running_average=True)
+    chex.assert_trees_all_close(y.astype(jnp.float32), want.astype(jnp.float32), **tol)
+    graphdef, state = nnx.split(ours)
+    assert _uses_jaxbwd(lambda s, x: nnx.merge(graphdef, s)(x), state, x) == kernel
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nnx_embed_and_attend_match_flax(impl):
     ids = jnp.array([[1, 4, 9], [0, -1, 11]])
     ours = jnnx.Embed(10, 3, rngs=nnx.Rngs(0), implementation=impl)

@@ -1,6 +1,6 @@
 """Flax NNX modules whose computation runs through jaxbwd's ops.
 
-``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``Linear``, ``Embed`` and ``Conv`` subclass the
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Linear``, ``Embed`` and ``Conv`` subclass the
 flax NNX module of the same name and take its constructor unchanged (positional order,
 defaults, initialisers, metadata, ``dtype``/``param_dtype``/``promote_dtype``), plus
 ``implementation=None|"pallas"|"xla"``: parameters are flax's own, so NNX state moves
@@ -309,3 +309,39 @@ class Upsample(nnx.Module, _Impl):
 
     def __call__(self, x):
         return jaxbwd.upsample2d(x, self.scale, method=self.method, implementation=self.implementation)
+
+
+class BatchNorm(nnx.BatchNorm, _Impl):
+    """``flax.nnx.BatchNorm`` (same constructor); kernel path :func:`jaxbwd.batch_norm`.
+
+    Kernel path: an int ``axis``, x of rank >= 2, no ``mask``, no ``axis_index_groups``,
+    ``epsilon > 0``; ``axis_name`` is supported (cross-device statistics);
+    ``use_scale``/``use_bias=False`` run with a unit weight / zero bias. As flax, x, the
+    running statistics and the parameters are first promoted together by the module's
+    ``promote_dtype`` (``dtype``), and the running statistics ``mean``/``var`` [C] are updated
+    in training (``use_running_average=False``). Statistics are float32, two-pass, whatever
+    ``use_fast_variance``. Otherwise flax's ``__call__``.
+    Call: x [N, ..., C] (channels on ``axis``) -> same shape. Source: Ioffe & Szegedy (2015).
+    """
+
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._set_impl(implementation)
+
+    def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
+        use_ra = self.use_running_average if use_running_average is None else use_running_average
+        if not (use_ra is not None and isinstance(self.axis, int) and mask is None
+                and self.axis_index_groups is None and self.epsilon > 0 and jnp.ndim(x) >= 2):
+            return super().__call__(x, use_running_average, mask=mask)
+        x, mean, var, scale, bias = self.promote_dtype(
+            (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        c = x.shape[self.axis]
+        w = jnp.ones((c,), x.dtype) if scale is None else scale
+        b = jnp.zeros((c,), x.dtype) if bias is None else bias
+        kw = dict(eps=self.epsilon, momentum=self.momentum, axis=self.axis, axis_name=self.axis_name,
+                  running_mean=mean, running_var=var, implementation=self.implementation)
+        if use_ra:
+            return jaxbwd.batch_norm(x, w, b, training=False, **kw)
+        y, new = jaxbwd.batch_norm(x, w, b, training=True, **kw)
+        self.mean[...], self.var[...] = new["mean"], new["var"]
+        return y
