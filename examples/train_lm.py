@@ -141,8 +141,17 @@ class Ops(NamedTuple):
     head_loss: Callable
 
 
-def jaxbwd_ops(implementation: Optional[str]) -> Ops:
+def jaxbwd_ops(implementation: Optional[str], head: str = "fused") -> Ops:
+    """jaxbwd's modules and ops. ``head="fused"``: ``Embed.attend_cross_entropy``
+    (linear_cross_entropy, no logits stored); ``"unfused"``: ``Embed.attend`` (jaxbwd.matmul)
+    then ``jaxbwd.cross_entropy`` on the stored logits."""
     impl = dict(implementation=implementation)
+    if head == "fused":
+        head_loss = lambda embed, h, labels: embed.attend_cross_entropy(h, labels)  # noqa: E731
+    elif head == "unfused":
+        head_loss = lambda embed, h, labels: jaxbwd.cross_entropy(embed.attend(h), labels, **impl)  # noqa: E731
+    else:
+        raise ValueError(f"train_lm: head must be 'fused' or 'unfused', got {head!r}")
     return Ops(
         RMSNorm=lambda **kw: jnn.RMSNorm(**kw, **impl),
         Dense=lambda *a, **kw: jnn.Dense(*a, **kw, **impl),
@@ -151,7 +160,7 @@ def jaxbwd_ops(implementation: Optional[str]) -> Ops:
         rope=lambda x: jaxbwd.rope(x, **impl),
         swiglu=lambda g, u: jaxbwd.swiglu(g, u, **impl),
         add=lambda a, b: jaxbwd.residual_add(a, b, **impl),
-        head_loss=lambda embed, h, labels: embed.attend_cross_entropy(h, labels),
+        head_loss=head_loss,
     )
 
 
@@ -297,6 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="override the preset's number of steps")
     p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
                    help="jaxbwd implementation (default: pallas on GPU, xla elsewhere)")
+    p.add_argument("--head", choices=["fused", "unfused"], default="fused",
+                   help="loss of the tied head: fused linear_cross_entropy (default, logits never stored) or "
+                        "unfused matmul + cross_entropy")
     p.add_argument("--check", action="store_true", help="compare first-step grads with the plain model and exit")
     p.add_argument("--name", default=None, help="run name under runs/ (default: preset-implementation)")
     p.add_argument("--out", default="runs", help="output folder (default: runs/ in the current directory)")
@@ -339,7 +351,7 @@ def main(argv=None) -> int:
         worst = check_grads(cfg, impl, jnp.asarray(x0), jnp.asarray(y0))
         return 0 if worst < 1e-3 else 1
 
-    model = LM(cfg, jaxbwd_ops(impl))
+    model = LM(cfg, jaxbwd_ops(impl, args.head))
     params = model.init(jax.random.PRNGKey(cfg.seed), jnp.asarray(x0))["params"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     mesh = make_mesh(mesh_axes, args.axis_type) if mesh_axes else None
@@ -419,6 +431,7 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
     tok_s = tokens_per_step * (cfg.steps - 1) / max(t_train, 1e-9)
     metrics = {
         "config": dataclasses.asdict(cfg), "mesh": args.mesh, "axis_type": args.axis_type if args.mesh else None, "implementation": impl or jaxbwd.config.default_implementation(),
+        "head": args.head,
         "jax": jax.__version__, "backend": jax.default_backend(), "params": n_params,
         "train_bits_per_byte": history, "eval": evals, "unigram_bits_per_byte": unigram,
         "final_bits_per_byte": final_bpb, "tokens_per_second": tok_s,
@@ -429,6 +442,9 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
 
     sample = generate(model, params, held[:cfg.seq_len // 2], 160, cfg.seq_len, jax.random.PRNGKey(1))
     print(f"held-out {final_bpb:.3f} bits/byte vs unigram {unigram:.3f} ({tok_s:,.0f} tokens/s); wrote {out}/")
+    if final_bpb >= unigram:
+        print(f"note: {cfg.steps} steps were too few to beat the byte frequencies (unigram); the default "
+              "preset's 1200 steps get well below them")
     print("sample:\n" + bytes(held[:cfg.seq_len // 2].astype(np.uint8)).decode("utf-8", "replace")
           + "\033[1m" * sys.stdout.isatty() + sample.decode("utf-8", "replace") + "\033[0m" * sys.stdout.isatty())
     return 0

@@ -49,6 +49,16 @@ def test_train_lm_pallas_interpret_tiny(tmp_path):
     assert m["implementation"] == "pallas" and len(m["train_bits_per_byte"]) == 3
 
 
+def test_train_lm_unfused_head_gives_the_same_curve(tmp_path):
+    """--head unfused (matmul + cross_entropy on stored logits) trains as the fused head does."""
+    common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "4", "--max-bytes", "200000"]
+    _run(common + ["--name", "fused"], tmp_path)
+    _run(common + ["--name", "unfused", "--head", "unfused"], tmp_path)
+    fused, unfused = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("fused", "unfused"))
+    np.testing.assert_allclose(unfused["train_bits_per_byte"], fused["train_bits_per_byte"], rtol=1e-5)
+    assert fused["head"] == "fused" and unfused["head"] == "unfused"
+
+
 @pytest.mark.parametrize("implementation,axis_type", [("xla", "explicit"), ("pallas", "explicit"), ("pallas", "auto")])
 def test_train_lm_mesh_matches_single_device(tmp_path, implementation, axis_type):
     """--mesh data=4,model=2 on 8 simulated CPU devices: the same loss curve as one device."""
