@@ -20,7 +20,7 @@ from jaxbwd.vjp.rope import rope
 from jaxbwd.vjp.regression import mse_loss
 from jaxbwd.vjp.batch_norm import batch_norm
 from jaxbwd.vjp.pooling import adaptive_avg_pool2d, avg_pool2d, max_pool2d
-from jaxbwd.vjp.dropout import dropout
+from jaxbwd.vjp.dropout import bias_dropout_add, dropout
 from jaxbwd.vjp.linear import bias_add, matmul, residual_add, scale
 from jaxbwd.vjp.norms import layer_norm, rms_norm
 from jaxbwd.vjp.shape import reshape, row_slice
@@ -36,6 +36,6 @@ __all__ = [
     "matmul", "bias_add", "scale", "residual_add",
     "reshape", "row_slice",
     "conv2d", "upsample2d", "pixel_shuffle", "unpatchify",
-    "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout", "batch_norm",
+    "relu", "leaky_relu", "sigmoid", "tanh", "mse_loss", "dropout", "bias_dropout_add", "batch_norm",
     "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
 ]

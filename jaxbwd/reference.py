@@ -6,6 +6,8 @@ dtype, as the ops do.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -374,6 +376,22 @@ def dropout(x, rate, *, rng=None, deterministic=False):
     rows, cols = jnp.arange(R, dtype=jnp.int32)[:, None], jnp.arange(Cc, dtype=jnp.int32)[None, :]
     keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
     return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False):
+    """Reference ``residual + dropout(x + bias)``, the mask on x's [rows, D] view."""
+    from jaxbwd.pallas import dropout as D
+
+    h = bias_add(x, bias)
+    if deterministic or rate == 0.0:
+        return residual + h
+    if rate == 1.0:
+        return residual
+    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    rows = jnp.arange(math.prod(x.shape[:-1]), dtype=jnp.int32)[:, None]
+    cols = jnp.arange(x.shape[-1], dtype=jnp.int32)[None, :]
+    keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
+    return (residual + jnp.where(keep, _f32(h) / (1.0 - rate), 0.0).astype(x.dtype)).astype(x.dtype)
 
 
 def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):

@@ -719,6 +719,32 @@ _SPECS += [
         residual_budget=lambda x, rate, **_: 8,  # the key's two uint32 words
     ),
     OpSpec(
+        name="bias_dropout_add", family="regularization", fn=dropout_ops.bias_dropout_add,
+        reference=ref.bias_dropout_add, diff_argnums=(0, 1, 2), static_params=("rate", "deterministic"),
+        kernels=("bias_dropout_add_bwd",),
+        backward="Pallas: one pass over dy regenerates the mask, writes dx and sums dbias in f32; dresidual = dy; saves the key only",
+        examples=tuple(
+            Example(f"{'x'.join(map(str, s))}-rate{r}",
+                    lambda k, dt, s=s, r=r: ((_normal(k, s, dt), _normal(jax.random.fold_in(k, 1), s[-1:], dt),
+                                             _normal(jax.random.fold_in(k, 2), s, dt), r), {"rng": jax.random.PRNGKey(7)}))
+            for s, r in ((ROW_SHAPES[1], 0.1), (ROW_SHAPES[0], 0.5), (ROW_SHAPES[2], 0.9))
+        ),
+        lowering=tuple(
+            Example(f"{s}-{dt}", lambda k, d, s=s, dt=dt: ((_sds(s, dt), _sds(s[-1:], dt), _sds(s, dt)),
+                                                          {"rate": 0.1, "rng": jax.random.PRNGKey(0)}))
+            for s, dt in ROW_LOWERING[:2]
+        ),
+        bad_inputs=(
+            BadInput("rate", lambda: ((jnp.ones((4, 8)), jnp.ones((8,)), jnp.ones((4, 8)), 1.5), {"rng": jax.random.PRNGKey(0)}), ValueError, r"rate must be in \[0, 1\], got 1.5"),
+            BadInput("no rng", lambda: ((jnp.ones((4, 8)), jnp.ones((8,)), jnp.ones((4, 8)), 0.5), {}), ValueError, r"rng must be a jax.random key when deterministic is False, got None"),
+            BadInput("bias length", lambda: ((jnp.ones((4, 8)), jnp.ones((3,)), jnp.ones((4, 8)), 0.5), {"rng": jax.random.PRNGKey(0)}), ValueError, r"bias must have shape \(8,\).*got \(3,\)"),
+            BadInput("residual shape", lambda: ((jnp.ones((4, 8)), jnp.ones((8,)), jnp.ones((8,)), 0.5), {"rng": jax.random.PRNGKey(0)}), ValueError, r"residual must have shape \(4, 8\).*got \(8,\)"),
+            BadInput("residual dtype", lambda: ((jnp.ones((4, 8)), jnp.ones((8,)), jnp.ones((4, 8), jnp.bfloat16), 0.5), {"rng": jax.random.PRNGKey(0)}), TypeError, r"x, residual must share one dtype"),
+            BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32), jnp.ones((8,)), jnp.ones((4, 8)), 0.5), {"rng": jax.random.PRNGKey(0)}), TypeError, r"x must have a floating dtype"),
+        ),
+        residual_budget=lambda *a, **_: 8,  # the key's two uint32 words
+    ),
+    OpSpec(
         name="batch_norm", family="norms", fn=batch_norm_ops.batch_norm, reference=ref.batch_norm,
         diff_argnums=(0, 1, 2), static_params=("eps", "momentum", "training", "axis", "axis_name"),
         kernels=("batch_norm_bwd_reduce", "batch_norm_bwd_dx"),

@@ -1,4 +1,4 @@
-"""Cases the registry contract does not cover for mse_loss, dropout, batch_norm and pooling."""
+"""Cases the registry contract does not cover for mse_loss, dropout, bias_dropout_add, batch_norm and pooling."""
 import os
 import subprocess
 import sys
@@ -75,6 +75,44 @@ def test_dropout_same_mask_both_implementations_and_flax_semantics():
     assert jaxbwd.dropout(x, 0.5, deterministic=True) is x
     assert jaxbwd.dropout(x, 0.0, rng=key) is x
     np.testing.assert_array_equal(np.asarray(jaxbwd.dropout(x, 1.0, rng=key)), 0.0)
+
+
+@pytest.mark.parametrize("shape,dtype", [((300, 1100), jnp.float32), ((3, 50, 272), jnp.bfloat16), ((7, 5), jnp.float32)])
+def test_bias_dropout_add_is_residual_plus_dropout_of_bias_add(shape, dtype):
+    """bias_dropout_add(x, b, r) equals residual_add(r, dropout(bias_add(x, b))) (the same mask
+    whenever D >= 16), and its one-pass Pallas backward equals the XLA backward, at shapes
+    with several column blocks, row splits and tails."""
+    x, b, r = _normal(0, shape, dtype), _normal(1, shape[-1:], dtype), _normal(2, shape, dtype)
+    ct = _normal(3, shape, dtype)
+    key = jax.random.key(4)
+    grads = {}
+    for impl in IMPLS:
+        f = lambda x, b, r: jaxbwd.bias_dropout_add(x, b, r, 0.3, rng=key, implementation=impl)
+        y, vjp = jax.vjp(f, x, b, r)
+        grads[impl] = vjp(ct)
+        chex.assert_trees_all_close(y, ref.bias_dropout_add(x, b, r, 0.3, rng=key), atol=0, rtol=0)
+        if shape[-1] >= 16:
+            chex.assert_trees_all_close(y, jaxbwd.dropout(jaxbwd.bias_add(x, b), 0.3, rng=key) + r, atol=0, rtol=0)
+        dx, db, dr = grads[impl]
+        np.testing.assert_array_equal(np.asarray(dr), np.asarray(ct))
+        keep = jaxbwd.bias_dropout_add(jnp.ones_like(x), jnp.zeros_like(b), jnp.zeros_like(r), 0.3, rng=key) != 0
+        np.testing.assert_array_equal(np.asarray(dx != 0), np.asarray(keep & (ct != 0)))
+    np.testing.assert_array_equal(np.asarray(grads["xla"][0]), np.asarray(grads["pallas"][0]))
+    exact = jnp.sum(jnp.where(keep, ct.astype(jnp.float32) / 0.7, 0.0).reshape(-1, shape[-1]), axis=0)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: dbias rounded once (and XLA sums rounded dx)
+    for impl in IMPLS:
+        chex.assert_trees_all_close(grads[impl][1].astype(jnp.float32), exact, atol=tol * float(jnp.abs(exact).max()), rtol=tol)
+
+
+def test_bias_dropout_add_edge_rates():
+    x, b, r = _normal(0, (4, 32)), _normal(1, (32,)), _normal(2, (4, 32))
+    key = jax.random.key(0)
+    for kw in ({"rate": 0.0, "rng": key}, {"rate": 0.5, "deterministic": True}):
+        rate = kw.pop("rate")
+        np.testing.assert_array_equal(np.asarray(jaxbwd.bias_dropout_add(x, b, r, rate, **kw)), np.asarray(r + (x + b)))
+    assert jaxbwd.bias_dropout_add(x, b, r, 1.0, rng=key) is r
+    g = jax.grad(lambda x, b: jnp.sum(jaxbwd.bias_dropout_add(x, b, r, 1.0, rng=key)), argnums=(0, 1))(x, b)
+    chex.assert_trees_all_close(g, (jnp.zeros_like(x), jnp.zeros_like(b)))
 
 
 def test_dropout_traced_key_in_a_jitted_step():

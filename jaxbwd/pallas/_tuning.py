@@ -98,6 +98,8 @@ TABLE: dict[str, dict[str, Config]] = {
         # bias_add: block_m rows x block_n columns per step; 64 / 91 registers.
         "bias_add_dbias/16bit": _(32, 256, num_warps=4, blocks_per_sm=8),
         "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
+        "bias_dropout_add_bwd/16bit": _(16, 256, num_warps=4, blocks_per_sm=5),  # 95-96 registers
+        "bias_dropout_add_bwd/f32": _(16, 256, num_warps=4, blocks_per_sm=4),  # 101-107 registers
     },
     "sm_80": {
         **_ATTENTION,
@@ -113,6 +115,8 @@ TABLE: dict[str, dict[str, Config]] = {
         "norm_bwd": _(1, 4096, num_warps=8, blocks_per_sm=1),
         "bias_add_dbias/16bit": _(32, 256, num_warps=4, blocks_per_sm=8),
         "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
+        "bias_dropout_add_bwd/16bit": _(16, 256, num_warps=4, blocks_per_sm=5),  # 95-96 registers
+        "bias_dropout_add_bwd/f32": _(16, 256, num_warps=4, blocks_per_sm=4),  # 101-107 registers
     },
 }
 TABLE["sm_100"] = dict(TABLE["sm_90"])
@@ -230,9 +234,10 @@ def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
     return dataclasses.replace(cfg, block_m=bq, block_n=bk)
 
 
-def column_sum(dtype) -> Config:
-    """Tiles of bias_add's column sum (block_m rows x block_n columns per step)."""
-    return get(f"bias_add_dbias/{'16bit' if jnp.dtype(dtype).itemsize == 2 else 'f32'}")
+def column_sum(dtype, kernel: str = "bias_add_dbias") -> Config:
+    """Tiles of a column-sum kernel (block_m rows x block_n columns per step): bias_add's
+    ``bias_add_dbias`` or a fused one such as ``bias_dropout_add_bwd``."""
+    return get(f"{kernel}/{'16bit' if jnp.dtype(dtype).itemsize == 2 else 'f32'}")
 
 
 def conv(kernel: str, dtype, depthwise: bool) -> Config:

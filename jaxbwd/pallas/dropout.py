@@ -1,4 +1,4 @@
-"""Dropout's mask as a counter-based hash, and the backward kernel that regenerates it.
+"""Dropout's mask as a counter-based hash, and the backward kernels that regenerate it.
 
 The mask of element (row, col) of x's [rows, cols] view (``C.as_2d``) is a pure function
 of the key and the two indices::
@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import elementwise as E
+from jaxbwd.pallas import linear as L
 
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
 
@@ -81,3 +82,24 @@ def dropout_bwd(key, dy, *, rate: float, interpret: bool = False):
         flops=16 * n, bytes_accessed=2 * C.nbytes(dy) + 8,
     )(key, dy.reshape(R, Cc))
     return dx.reshape(shape)
+
+
+def bias_dropout_bwd(key, dy, *, rate: float, interpret: bool = False):
+    """dx and dbias of ``residual + dropout(x + bias)`` from one read of dy.
+
+    Args:
+      key: uint32 [2], the key's words. dy: [R, D] floating (D the bias axis).
+      rate: static, in (0, 1).
+    Returns:
+      ``(dx, dbias)``: dx [R, D] in dy's dtype (``dy / (1 - rate)`` where the mask of the
+      [R, D] view keeps, else 0) and dbias [D] float32 (the column sums of dx, f32
+      accumulation, fixed order: the column-sum kernel of ``pallas/linear.py``).
+    """
+    threshold, scale = keep_threshold(rate), 1.0 / (1.0 - rate)
+
+    def transform(key_ref, rows, cols, tile):
+        keep = keep_mask(key_ref[0], key_ref[1], rows[:, None], cols[None, :], threshold)
+        return jnp.where(keep, tile * scale, 0.0)
+
+    return L.column_sum_f32(dy, transform=transform, extra=(key,), name="bias_dropout_add_bwd",
+                            flops_per_element=17, interpret=interpret)

@@ -18,6 +18,7 @@ import numpy as np
 from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import dropout as kernels
 from jaxbwd.vjp import _base as B
+from jaxbwd.vjp import linear
 from jaxbwd.vjp._derivatives import custom_op
 
 
@@ -33,9 +34,10 @@ def _key_words(op, rng):
     return data
 
 
-def keep_mask(key, shape, rate):
-    """The boolean keep mask of an array of ``shape`` (XLA; the kernel computes the same)."""
-    R, Cc = C.as_2d("dropout", shape)
+def keep_mask(key, shape, rate, view=None):
+    """The boolean keep mask of an array of ``shape`` on its [rows, cols] ``view`` (default
+    ``C.as_2d``, the elementwise kernels' view), in XLA; the kernels compute the same."""
+    R, Cc = C.as_2d("dropout", shape) if view is None else view
     rows = jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, Cc), 1)
     return kernels.keep_mask(key[0], key[1], rows, cols, kernels.keep_threshold(rate)).reshape(shape)
@@ -112,3 +114,98 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     if rate == 1.0:
         return jnp.zeros_like(x)
     return _dropout(x, key, rate, B.impl(implementation, op, x))
+
+
+# --------------------------------------------------------------------- bias_dropout_add
+def _bias_view(shape):
+    """bias_dropout_add's mask view: [rows, D] with D the bias axis."""
+    return (int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
+
+
+@functools.partial(custom_op, nondiff_argnums=(4, 5), name="bias_dropout_add")
+def _bias_dropout_add(x, bias, residual, key, rate, impl):
+    h = x + bias.astype(x.dtype)
+    return (residual + _apply(keep_mask(key, x.shape, rate, _bias_view(x.shape)), h, rate)).astype(x.dtype)
+
+
+def _bias_dropout_add_fwd(x, bias, residual, key, rate, impl):
+    # bias's dtype rides along as an empty array (the gradient's dtype).
+    return _bias_dropout_add.fun(x, bias, residual, key, rate, impl), (key, jnp.zeros((0,), bias.dtype))
+
+
+def _bias_dropout_add_bwd(rate, impl, res, dy):
+    key, bias0 = res
+    R, D = _bias_view(dy.shape)
+    if impl.pallas and R > 0:
+        dx, db = kernels.bias_dropout_bwd(key, dy.reshape(R, D), rate=rate, interpret=impl.interpret)
+        dx = dx.reshape(dy.shape)
+    else:
+        dx = _apply(keep_mask(key, dy.shape, rate, (R, D)), dy, rate)
+        db = jnp.sum(dx.reshape(R, D).astype(B.acc_dtype(dx)), axis=0)
+    return dx, db.astype(bias0.dtype), dy, None
+
+
+def _bias_dropout_add_tangent(rate, impl, res, dx, dbias, dresidual, dkey):
+    key, _ = res
+    return _bias_dropout_add.fun(dx, dbias, dresidual, key, rate, impl)  # linear in (x, bias, residual)
+
+
+_bias_dropout_add.defvjp(_bias_dropout_add_fwd, _bias_dropout_add_bwd)
+_bias_dropout_add.deftangent(_bias_dropout_add_tangent)
+
+
+def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, implementation=None):
+    """``residual + dropout(x + bias)``, fused: the transformer's bias-dropout-residual step.
+
+    The mask is :func:`dropout`'s hash of (key, row, col) on x's [rows, D] view (D the last
+    axis): the same elements as ``dropout(x + bias)`` drops whenever ``16 <= D``. Identity
+    dropout when ``deterministic`` or ``rate == 0`` (then ``residual_add(bias_add(x, bias),
+    residual)``); ``residual`` alone when ``rate == 1``.
+
+    Args:
+      x: [..., D] float32, bfloat16 or float16.
+      bias: [D] floating (added in x's dtype, as :func:`bias_add`).
+      residual: x's shape and dtype.
+      rate: static Python number in [0, 1].
+      rng: a threefry key (``jax.random.key`` or ``jax.random.PRNGKey``); required unless
+        deterministic or rate == 0. May be traced.
+      deterministic: static bool.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+
+    Returns:
+      [..., D] in x's dtype.
+
+    Residuals: the key (8 bytes). Backward: ``dresidual = dy`` (no copy); dx and dbias from
+    one Pallas pass over dy (``bias_dropout_add_bwd``: the regenerated mask, the scaled
+    write of dx and f32 column sums for dbias). Unfused, :func:`dropout` then
+    :func:`bias_add` read dy, write dx and read dx again: 3 passes of x's bytes; fused, 2.
+
+    Raises:
+      TypeError: x, bias not floating; residual's dtype not x's; rate or deterministic not
+        static.
+      ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1]; rng
+        missing or not a threefry key; unknown implementation.
+
+    Source: Megatron-LM's fused bias-dropout-add (Shoeybi et al. 2019); dropout as
+    Srivastava et al. (JMLR 2014), inverted scaling.
+    """
+    op = "bias_dropout_add"
+    B.check_float(op, "x", x)
+    B.check_float(op, "bias", bias)
+    B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
+    B.check_shape(op, "bias", bias, (x.shape[-1],), what=f"(x's last dimension D={x.shape[-1]})")
+    B.check_float(op, "residual", residual)
+    B.check_shape(op, "residual", residual, x.shape, what="(x's shape)")
+    B.check_same_dtype(op, ("x", "residual"), (x, residual))
+    rate = B.check_static_number(op, "rate", rate)
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"jaxbwd.{op}: rate must be in [0, 1], got {rate!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"jaxbwd.{op}: deterministic must be a Python bool, got {deterministic!r}")
+    if deterministic or rate == 0.0:
+        return linear.residual_add(linear.bias_add(x, bias, implementation=implementation), residual,
+                            implementation=implementation)
+    key = _key_words(op, rng)
+    if rate == 1.0:
+        return residual
+    return _bias_dropout_add(x, bias, residual, key, rate, B.impl(implementation, op, x))
