@@ -34,6 +34,16 @@ def _key_words(op, rng):
     return data
 
 
+def _check_rate(op, rate, deterministic) -> float:
+    """rate as a float in [0, 1] (static) and deterministic a Python bool, or a named error."""
+    rate = B.check_static_number(op, "rate", rate)
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"jaxbwd.{op}: rate must be in [0, 1], got {rate!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"jaxbwd.{op}: deterministic must be a Python bool, got {deterministic!r}")
+    return rate
+
+
 def keep_mask(key, shape, rate, view=None):
     """The boolean keep mask of an array of ``shape`` on its [rows, cols] ``view`` (default
     ``C.as_2d``, the elementwise kernels' view), in XLA; the kernels compute the same."""
@@ -103,11 +113,7 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     """
     op = "dropout"
     B.check_float(op, "x", x)
-    rate = B.check_static_number(op, "rate", rate)
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"jaxbwd.{op}: rate must be in [0, 1], got {rate!r}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"jaxbwd.{op}: deterministic must be a Python bool, got {deterministic!r}")
+    rate = _check_rate(op, rate, deterministic)
     if deterministic or rate == 0.0:
         return x
     key = _key_words(op, rng)
@@ -197,14 +203,10 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     B.check_float(op, "residual", residual)
     B.check_shape(op, "residual", residual, x.shape, what="(x's shape)")
     B.check_same_dtype(op, ("x", "residual"), (x, residual))
-    rate = B.check_static_number(op, "rate", rate)
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"jaxbwd.{op}: rate must be in [0, 1], got {rate!r}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"jaxbwd.{op}: deterministic must be a Python bool, got {deterministic!r}")
+    rate = _check_rate(op, rate, deterministic)
     if deterministic or rate == 0.0:
-        return linear.residual_add(linear.bias_add(x, bias, implementation=implementation), residual,
-                            implementation=implementation)
+        h = linear.bias_add(x, bias, implementation=implementation)
+        return linear.residual_add(h, residual, implementation=implementation)
     key = _key_words(op, rng)
     if rate == 1.0:
         return residual
