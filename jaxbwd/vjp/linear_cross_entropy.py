@@ -35,7 +35,7 @@ from jaxbwd.pallas import _common as PC
 from jaxbwd.pallas import linear_cross_entropy as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
-from jaxbwd.vjp.losses import REDUCTIONS, _shard_labels, _valid_labels
+from jaxbwd.vjp.losses import REDUCTIONS, _shard_labels, _valid_labels, check_options
 from jaxbwd import sharding as S
 
 # Logit elements one XLA chunk holds ([R, C] f32 arrays: the logits, their exponentials,
@@ -264,12 +264,6 @@ _lce.deftangent(_lce_tangent)
 
 
 # ------------------------------------------------------------------------- public API
-def _check_static_int(op, name, value):
-    if isinstance(value, jax.core.Tracer) or not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got {value!r}")
-    return int(value)
-
-
 def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=None,
                          weights=None, reduction="mean", return_aux=False, transpose_w=False, implementation=None):
     """Softmax cross-entropy of the logits ``x @ w`` against integer ``labels``, the logits
@@ -347,13 +341,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         raise ValueError(f"jaxbwd.{op}: w must have at least one vocabulary entry (V >= 1), got shape {tuple(w.shape)}")
     B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, x.shape[:-1], what="(x.shape[:-1])")
-    ignore_index = _check_static_int(op, "ignore_index", ignore_index)
-    eps = B.check_static_number(op, "label_smoothing", label_smoothing)
-    if not 0.0 <= eps <= 1.0:
-        raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    z = B.check_static_number(op, "z_loss", z_loss)
-    if not z >= 0.0:
-        raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
+    ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
     cap = None
     if logit_softcap is not None:
         cap = B.check_static_number(op, "logit_softcap", logit_softcap)

@@ -243,6 +243,20 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
     return logits, labels
 
 
+def check_options(op, ignore_index, label_smoothing, z_loss) -> tuple[int, float, float]:
+    """The cross-entropy options shared with ``linear_cross_entropy``, checked: a static int
+    ignore_index, label_smoothing in [0, 1] and z_loss >= 0 (static numbers)."""
+    if isinstance(ignore_index, jax.core.Tracer) or not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
+        raise TypeError(f"jaxbwd.{op}: ignore_index must be a static Python int, got {ignore_index!r}")
+    eps = B.check_static_number(op, "label_smoothing", label_smoothing)
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    z = B.check_static_number(op, "z_loss", z_loss)
+    if not z >= 0.0:
+        raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
+    return int(ignore_index), eps, z
+
+
 def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
                   axis=-1, where=None, implementation=None):
     """Softmax cross-entropy of ``logits`` against integer ``labels``, with label smoothing and z-loss.
@@ -317,14 +331,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     B.check_shape(op, "labels", labels, logits.shape[:-1], what="(logits.shape[:-1])")
     if logits.shape[-1] < 1:
         raise ValueError(f"jaxbwd.{op}: logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
-    if isinstance(ignore_index, jax.core.Tracer) or not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
-        raise TypeError(f"jaxbwd.{op}: ignore_index must be a static Python int, got {ignore_index!r}")
-    eps = B.check_static_number(op, "label_smoothing", label_smoothing)
-    if not 0.0 <= eps <= 1.0:
-        raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    z = B.check_static_number(op, "z_loss", z_loss)
-    if not z >= 0.0:
-        raise ValueError(f"jaxbwd.{op}: z_loss must be >= 0, got {z_loss!r}")
+    ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
     if reduction not in REDUCTIONS:
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
     # "v": the class axis may stay sharded (vocab-parallel: the op combines the shards itself)
