@@ -20,6 +20,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` without ``--dist``: work stealing instead of xdist's default ``load``.
+
+    ``load`` hands out consecutive chunks, so the suite's few minutes-long tests (the
+    8-device sharding runs, the example trainings) queue on one worker while the other
+    goes idle at the end; with work stealing an idle worker takes half of the other's
+    queue, so the end is bounded by the longest single test.
+    """
+    if config.getvalue("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
+
+
 def pytest_sessionfinish(session):
     """Collects garbage while the session is still running, then freezes what is left.
 

@@ -51,7 +51,7 @@ def test_train_lm_pallas_interpret_tiny(tmp_path):
 
 def test_train_lm_unfused_head_gives_the_same_curve(tmp_path):
     """--head unfused (matmul + cross_entropy on stored logits) trains as the fused head does."""
-    common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "4", "--max-bytes", "200000"]
+    common = ["examples/train_lm.py", "--preset", "tiny", "--steps", "2", "--max-bytes", "200000"]
     _run(common + ["--name", "fused"], tmp_path)
     _run(common + ["--name", "unfused", "--head", "unfused"], tmp_path)
     fused, unfused = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("fused", "unfused"))
