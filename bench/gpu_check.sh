@@ -17,14 +17,15 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   echo "== $(date -u +%FT%TZ) $(hostname)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
   python -c 'import jax, sys; print("python", sys.version.split()[0], "jax", jax.__version__, jax.devices())'
-  echo "== tests marked gpu"
-  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -n 40
+  echo "== tests marked gpu: kernels vs XLA at LLM shapes, then bitwise-deterministic backward kernels"
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -n 40
+  timeout 60 python -m pytest -m gpu -q -p no:cacheprovider tests/test_contract.py -k deterministic 2>&1 | tail -n 20
   echo "== python -m jaxbwd check"
   timeout 45 python -m jaxbwd check 2>&1 | tail -n 80
   echo "== bench/attention.py (vs autodiff and cuDNN)"
   timeout 100 python bench/attention.py --json "$out/attention.json" 2>&1
   echo "== bench/tune.py (config sweeps; attention vs cuDNN and XLA, conv2d vs XLA, bf16)"
-  timeout 240 python bench/tune.py --json "$out/tuning.json" --repeats 5 2>&1
+  timeout 210 python bench/tune.py --json "$out/tuning.json" --repeats 5 2>&1
   echo "== python -m jaxbwd bench --size llm"
   timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
   echo "== forward mode through attention: attention_jvp kernel vs XLA formula vs jax.jvp of the reference"
