@@ -393,6 +393,8 @@ def test_nnx_bf16_inputs_promote_as_flax(impl):
     ({"use_scale": False, "dtype": jnp.bfloat16}, jnp.float32, True),
     ({"param_dtype": jnp.bfloat16, "use_bias": False}, jnp.bfloat16, True),
     ({"axis_index_groups": [[0]]}, jnp.float32, False),
+    ({"promote_dtype": lambda a, dtype=None: a, "use_scale": False}, jnp.bfloat16, True),  # no promotion
+    ({"momentum": 1.5}, jnp.float32, False),  # outside the op's range: flax's code
 ])
 def test_nnx_batch_norm_matches_flax(kwargs, x_dtype, kernel, impl):
     """jaxbwd.nn.nnx.BatchNorm against nnx.BatchNorm: a training call (output, parameter and
@@ -416,6 +418,19 @@ def test_nnx_batch_norm_matches_flax(kwargs, x_dtype, kernel, impl):
     chex.assert_trees_all_close(y.astype(jnp.float32), want.astype(jnp.float32), **tol)
     graphdef, state = nnx.split(ours)
     assert _uses_jaxbwd(lambda s, x: nnx.merge(graphdef, s)(x), state, x) == kernel
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nnx_batch_norm_running_statistics_over_many_steps_bf16(impl):
+    """dtype=bfloat16: the float32 running statistics move by 1% a step as flax's do (an
+    update through bfloat16 would stall them)."""
+    ours = jnnx.BatchNorm(4, momentum=0.99, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), implementation=impl)
+    theirs = nnx.BatchNorm(4, momentum=0.99, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    for step in range(40):
+        x = 2.0 + 1.2 * _rand((16, 4), seed=step)
+        ours(x), theirs(x)
+    chex.assert_trees_all_close(nnx.state(ours, nnx.BatchStat), nnx.state(theirs, nnx.BatchStat), rtol=1e-4, atol=1e-4)
+    assert float(ours.var[...].min()) != 1.0  # moved from its initial value
 
 
 @pytest.mark.parametrize("impl", IMPLS)

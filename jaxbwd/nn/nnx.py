@@ -16,6 +16,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 import jaxbwd
 from jaxbwd.nn import _kernels as K
@@ -315,12 +316,14 @@ class BatchNorm(nnx.BatchNorm, _Impl):
     """``flax.nnx.BatchNorm`` (same constructor); kernel path :func:`jaxbwd.batch_norm`.
 
     Kernel path: an int ``axis``, x of rank >= 2, no ``mask``, no ``axis_index_groups``,
-    ``epsilon > 0``; ``axis_name`` is supported (cross-device statistics);
-    ``use_scale``/``use_bias=False`` run with a unit weight / zero bias. As flax, x, the
-    running statistics and the parameters are first promoted together by the module's
-    ``promote_dtype`` (``dtype``), and the running statistics ``mean``/``var`` [C] are updated
-    in training (``use_running_average=False``). Statistics are float32, two-pass, whatever
-    ``use_fast_variance``. Otherwise flax's ``__call__``.
+    static ``epsilon > 0`` and ``momentum`` in [0, 1]; ``axis_name`` is supported
+    (cross-device statistics); ``use_scale``/``use_bias=False`` run with a unit weight / zero
+    bias. As flax: x, the running statistics and the parameters are promoted together by the
+    module's ``promote_dtype`` (``dtype``); the result's dtype is flax's; in training
+    (``use_running_average=False``) the stored running statistics ``mean``/``var`` [C] are
+    updated from their stored values (float32), in eval the promoted ones normalise. Batch
+    statistics are float32, two-pass, whatever ``use_fast_variance``. Otherwise flax's
+    ``__call__``.
     Call: x [N, ..., C] (channels on ``axis``) -> same shape. Source: Ioffe & Szegedy (2015).
     """
 
@@ -330,18 +333,27 @@ class BatchNorm(nnx.BatchNorm, _Impl):
 
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         use_ra = self.use_running_average if use_running_average is None else use_running_average
-        if not (use_ra is not None and isinstance(self.axis, int) and mask is None
-                and self.axis_index_groups is None and self.epsilon > 0 and jnp.ndim(x) >= 2):
+        static = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not (use_ra is not None and isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
+                and static(self.epsilon) and self.epsilon > 0 and static(self.momentum) and 0 <= self.momentum <= 1
+                and jnp.ndim(x) >= 2):
             return super().__call__(x, use_running_average, mask=mask)
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        # As flax's _normalize: the result's dtype from x, scale, bias and ``dtype``; the op runs
+        # in the wider of that and the operands (its statistics are float32 either way).
+        out = nnx_dtypes.canonicalize_dtype(*[a for a in (x, scale, bias) if a is not None], dtype=self.dtype)
+        ct = K.compute_dtype(out, x, scale, bias)
         c = x.shape[self.axis]
-        w = jnp.ones((c,), x.dtype) if scale is None else scale
-        b = jnp.zeros((c,), x.dtype) if bias is None else bias
+        w = jnp.ones((c,), ct) if scale is None else scale.astype(ct)
+        b = jnp.zeros((c,), ct) if bias is None else bias.astype(ct)
         kw = dict(eps=self.epsilon, momentum=self.momentum, axis=self.axis, axis_name=self.axis_name,
-                  running_mean=mean, running_var=var, implementation=self.implementation)
-        if use_ra:
-            return jaxbwd.batch_norm(x, w, b, training=False, **kw)
-        y, new = jaxbwd.batch_norm(x, w, b, training=True, **kw)
+                  implementation=self.implementation)
+        if use_ra:  # flax normalises with the promoted running statistics
+            return jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=mean, running_var=var, training=False,
+                                     **kw).astype(out)
+        # flax updates the stored (float32) statistics, not their promoted copies
+        y, new = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=self.mean[...], running_var=self.var[...],
+                                   training=True, **kw)
         self.mean[...], self.var[...] = new["mean"], new["var"]
-        return y
+        return y.astype(out)
