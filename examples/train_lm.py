@@ -282,9 +282,9 @@ def generate(model, params, prompt: np.ndarray, n: int, seq_len: int, key, tempe
     return bytes(buf[len(prompt):])
 
 
-def check_grads(cfg: Config, implementation: Optional[str], x, y) -> float:
+def check_grads(cfg: Config, implementation: Optional[str], x, y, head: str = "fused") -> float:
     """Max relative difference of first-step grads: jaxbwd model vs the plain JAX/flax model."""
-    ours, plain = LM(cfg, jaxbwd_ops(implementation)), LM(cfg, plain_ops())
+    ours, plain = LM(cfg, jaxbwd_ops(implementation, head)), LM(cfg, plain_ops())
     params = ours.init(jax.random.PRNGKey(cfg.seed), x)["params"]
     p_plain = plain.init(jax.random.PRNGKey(cfg.seed), x)["params"]
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(p_plain):
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     x0, y0 = next(train_it)
 
     if args.check:
-        worst = check_grads(cfg, impl, jnp.asarray(x0), jnp.asarray(y0))
+        worst = check_grads(cfg, impl, jnp.asarray(x0), jnp.asarray(y0), args.head)
         return 0 if worst < 1e-3 else 1
 
     model = LM(cfg, jaxbwd_ops(impl, args.head))
@@ -396,7 +396,8 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
 
     unigram = unigram_bits_per_byte(train, held)
     mesh_tag = f"-{args.mesh.replace('=', '').replace(',', '-')}-{args.axis_type}" if args.mesh else ""
-    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}{mesh_tag}"
+    head_tag = "-unfused" if args.head == "unfused" else ""
+    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}{head_tag}{mesh_tag}"
     out = pathlib.Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     print(f"jax {jax.__version__} on {jax.default_backend()}; {n_params:,} params; corpus {len(train):,} train "
@@ -444,7 +445,7 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
     print(f"held-out {final_bpb:.3f} bits/byte vs unigram {unigram:.3f} ({tok_s:,.0f} tokens/s); wrote {out}/")
     if final_bpb >= unigram:
         print(f"note: {cfg.steps} steps were too few to beat the byte frequencies (unigram); the default "
-              "preset's 1200 steps get well below them")
+              f"preset's {PRESETS['default'].steps} steps get well below them")
     print("sample:\n" + bytes(held[:cfg.seq_len // 2].astype(np.uint8)).decode("utf-8", "replace")
           + "\033[1m" * sys.stdout.isatty() + sample.decode("utf-8", "replace") + "\033[0m" * sys.stdout.isatty())
     return 0

@@ -29,7 +29,8 @@ def pytest_xdist_make_scheduler(config, log):
     goes idle at the end; with work stealing an idle worker takes half of the other's
     queue, so the end is bounded by the longest single test.
     """
-    if config.getvalue("dist") == "load":
+    explicit = any(a == "-d" or a.startswith("--dist") for a in config.invocation_params.args)
+    if config.getvalue("dist") == "load" and not explicit:  # `--dist load` still gets load
         from xdist.scheduler import WorkStealingScheduling
 
         return WorkStealingScheduling(config, log)

@@ -104,8 +104,8 @@ def test_kernel_grads_are_deterministic(spec, ex, impl, dt):
     # Fresh executions of the same compiled kernels: equal bits means no atomics or other
     # order-dependent reductions.
     with config.use(interpret=False):
-        g1 = jax.jit(lambda c: jax.vjp(f, *diff)[1](c))(ct)
-        g2 = jax.jit(lambda c: jax.vjp(f, *diff)[1](c))(ct)
+        bwd = jax.jit(lambda c: jax.vjp(f, *diff)[1](c))
+        g1, g2 = bwd(ct), bwd(ct)
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
 
@@ -130,57 +130,87 @@ def _batched(spec, ex, dt, n=3):
     return args, kwargs
 
 
-# float32 only: the transforms compose the same rules in every dtype, and each dtype's
-# outputs and grads (values and dtypes) are checked by test_forward_and_grads_match_reference.
-@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
-def test_transforms(spec, ex, impl, dt):
-    """jit, vmap (unbatched weights), vmap of grad, grad of vmap, checkpoint and scan agree."""
+def _transform_setup(spec, ex, impl, dt):
+    """(diff args batched along axis 0 where ``ex.batch_argnums`` says, their in_axes, the
+    op on the diff args, a scalar loss of it, the loss's argnums) for the transform tests."""
     args, kwargs = _batched(spec, ex, dt)
-    tol = TOL[dt]
     in_axes = tuple(0 if i in ex.batch_argnums else None for i in spec.diff_argnums)
     nb = [i for i in range(len(args)) if i not in spec.diff_argnums]
     assert all(i in spec.diff_argnums for i in ex.batch_argnums) or nb
-
     single = spec.bind(args, kwargs, implementation=impl)  # one example, diff args only
-
     diff = [args[i] for i in spec.diff_argnums]
-    n = diff[spec.diff_argnums.index(ex.batch_argnums[0])].shape[0]
-    pick = lambda k: [d[k] if ax == 0 else d for d, ax in zip(diff, in_axes)]
 
     def loss(*d):
         return jnp.sum(single(*d).astype(jnp.float32) ** 2)
 
+    return diff, in_axes, single, loss, tuple(range(len(diff)))
+
+
+def _scan_grads(loss, argn, diff, in_axes):
+    """Per-example grads from a lax.scan over the batch, unbatched args carried."""
+    def step(carry, xs):
+        d = [xs.pop(0) if ax == 0 else c for ax, c in zip(in_axes, carry)]
+        return carry, jax.grad(loss, argnums=argn)(*d)
+
+    carry = [d for d, ax in zip(diff, in_axes)]
+    return jax.lax.scan(step, carry, [d for d, ax in zip(diff, in_axes) if ax == 0])[1]
+
+
+# Values in float32; test_transforms_keep_dtypes traces the same transforms in the narrow
+# dtypes, and each dtype's values are checked by test_forward_and_grads_match_reference.
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
+def test_transforms(spec, ex, impl, dt):
+    """jit, vmap (unbatched weights), vmap of grad, grad of vmap, checkpoint and scan agree."""
+    diff, in_axes, single, loss, argn = _transform_setup(spec, ex, impl, dt)
+    tol = TOL[dt]
+    n = diff[spec.diff_argnums.index(ex.batch_argnums[0])].shape[0]
+    pick = lambda k: [d[k] if ax == 0 else d for d, ax in zip(diff, in_axes)]
+
     loop_out = jnp.stack([single(*pick(k)) for k in range(n)])
-    loop_grads = [jax.grad(loss, argnums=tuple(range(len(diff))))(*pick(k)) for k in range(n)]
+    loop_grads = [jax.grad(loss, argnums=argn)(*pick(k)) for k in range(n)]
 
     vm = jax.vmap(single, in_axes=in_axes)
     _close(jax.jit(vm)(*diff), loop_out, tol)
     # vmap of grad: per-example grads, unbatched weights get one grad per example.
-    vg = jax.vmap(jax.grad(loss, argnums=tuple(range(len(diff)))), in_axes=in_axes)(*diff)
+    vg = jax.vmap(jax.grad(loss, argnums=argn), in_axes=in_axes)(*diff)
     for j in range(len(diff)):
         _close(vg[j], jnp.stack([g[j] for g in loop_grads]), tol)
     # grad of vmap: unbatched weights' grads are summed over the batch.
-    gv = jax.grad(lambda *d: jnp.sum(vm(*d).astype(jnp.float32) ** 2), argnums=tuple(range(len(diff))))(*diff)
+    gv = jax.grad(lambda *d: jnp.sum(vm(*d).astype(jnp.float32) ** 2), argnums=argn)(*diff)
     for j, ax in enumerate(in_axes):
         want = jnp.stack([g[j] for g in loop_grads]) if ax == 0 else sum(g[j].astype(jnp.float32) for g in loop_grads)
         assert gv[j].dtype == diff[j].dtype
         _close(gv[j], want, tol * (1 if ax == 0 else n))
     # checkpoint
-    gc = jax.grad(jax.checkpoint(loss), argnums=tuple(range(len(diff))))(*pick(0))
+    gc = jax.grad(jax.checkpoint(loss), argnums=argn)(*pick(0))
     _close(gc, loop_grads[0], tol)
-
-    # scan over the batch, unbatched args carried; bf16 grads come back as bf16.
-    def step(carry, xs):
-        d = [xs.pop(0) if ax == 0 else c for ax, c in zip(in_axes, carry)]
-        g = jax.grad(loss, argnums=tuple(range(len(diff))))(*d)
-        return carry, g
-
-    carry = [d for d, ax in zip(diff, in_axes)]
-    xs = [d for d, ax in zip(diff, in_axes) if ax == 0]
-    _, sg = jax.lax.scan(step, carry, xs)
+    # scan over the batch
+    sg = _scan_grads(loss, argn, diff, in_axes)
     for j in range(len(diff)):
         assert sg[j].dtype == diff[j].dtype
         _close(sg[j], jnp.stack([g[j] for g in loop_grads]), tol)
+
+
+@pytest.mark.parametrize("spec,ex,impl,dt", [c for c in _cases(SPECS, first_only=True) if c.values[3] != "float32"])
+def test_transforms_keep_dtypes(spec, ex, impl, dt):
+    """bf16/f16 under vmap, vmap of grad, grad of vmap, checkpoint and scan: outputs and
+    every grad keep their dtypes and shapes (traced, not run)."""
+    diff, in_axes, single, loss, argn = _transform_setup(spec, ex, impl, dt)
+    vm = jax.vmap(single, in_axes=in_axes)
+    y = jax.eval_shape(vm, *diff)
+    assert y.dtype == jax.eval_shape(single, *[d[0] if ax == 0 else d for d, ax in zip(diff, in_axes)]).dtype
+    grads = {
+        "vmap of grad": jax.vmap(jax.grad(loss, argnums=argn), in_axes=in_axes),
+        "grad of vmap": jax.grad(lambda *d: jnp.sum(vm(*d).astype(jnp.float32) ** 2), argnums=argn),
+        "scan": lambda *d: _scan_grads(loss, argn, list(d), in_axes),
+        "checkpoint": jax.vmap(jax.grad(jax.checkpoint(loss), argnums=argn), in_axes=in_axes),
+    }
+    for name, fn in grads.items():
+        gs = jax.eval_shape(fn, *diff)
+        for j, ax in enumerate(in_axes):
+            assert gs[j].dtype == diff[j].dtype, (name, j, gs[j].dtype, diff[j].dtype)
+            if name == "grad of vmap" or ax == 0:
+                assert gs[j].shape == diff[j].shape, (name, j)
 
 
 def _lowering_cases():

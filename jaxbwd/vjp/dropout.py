@@ -142,12 +142,13 @@ def _bias_dropout_add_fwd(x, bias, residual, key, rate, impl):
 def _bias_dropout_add_bwd(rate, impl, res, dy):
     key, bias0 = res
     R, D = _bias_view(dy.shape)
-    if impl.pallas and R > 0:
+    if impl.pallas and R > 0 and D > 0:
         dx, db = kernels.bias_dropout_bwd(key, dy.reshape(R, D), rate=rate, interpret=impl.interpret)
         dx = dx.reshape(dy.shape)
-    else:
-        dx = _apply(keep_mask(key, dy.shape, rate, (R, D)), dy, rate)
-        db = jnp.sum(dx.reshape(R, D).astype(B.acc_dtype(dx)), axis=0)
+    else:  # as the kernel: dbias sums the unrounded float32 dx
+        cf = jnp.promote_types(dy.dtype, jnp.float32)
+        dxf = jnp.where(keep_mask(key, dy.shape, rate, (R, D)), dy.astype(cf) * (1.0 / (1.0 - rate)), 0.0)
+        dx, db = dxf.astype(dy.dtype), jnp.sum(dxf.reshape(R, D), axis=0)
     return dx, db.astype(bias0.dtype), dy, None
 
 
@@ -164,7 +165,7 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     """``residual + dropout(x + bias)``, fused: the transformer's bias-dropout-residual step.
 
     The mask is :func:`dropout`'s hash of (key, row, col) on x's [rows, D] view (D the last
-    axis): the same elements as ``dropout(x + bias)`` drops whenever ``16 <= D``. Identity
+    axis): the same elements as ``dropout(x + bias)`` drops whenever ``16 <= D < 2**31``. Identity
     dropout when ``deterministic`` or ``rate == 0`` (then ``residual_add(bias_add(x, bias),
     residual)``); ``residual`` alone when ``rate == 1``.
 
@@ -190,7 +191,8 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
       TypeError: x, bias not floating; residual's dtype not x's; rate or deterministic not
         static.
       ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1]; rng
-        missing or not a threefry key; unknown implementation.
+        missing or not a threefry key; rows (the product of x's leading dims) >= 2**31;
+        unknown implementation.
 
     Source: Megatron-LM's fused bias-dropout-add (Shoeybi et al. 2019); dropout as
     Srivastava et al. (JMLR 2014), inverted scaling.
@@ -204,10 +206,12 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     B.check_shape(op, "residual", residual, x.shape, what="(x's shape)")
     B.check_same_dtype(op, ("x", "residual"), (x, residual))
     rate = _check_rate(op, rate, deterministic)
+    impl = B.impl(implementation, op, x)
+    C.check_index_range(op, rows=_bias_view(x.shape)[0])
     if deterministic or rate == 0.0:
         h = linear.bias_add(x, bias, implementation=implementation)
         return linear.residual_add(h, residual, implementation=implementation)
     key = _key_words(op, rng)
     if rate == 1.0:
         return residual
-    return _bias_dropout_add(x, bias, residual, key, rate, B.impl(implementation, op, x))
+    return _bias_dropout_add(x, bias, residual, key, rate, impl)

@@ -7,6 +7,7 @@ that XLA fuses. bias_add's dbias is a column-sum Pallas kernel with f32 accumula
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +91,8 @@ def _bias_add_fwd(x, bias, impl):
 
 
 def _bias_add_bwd(impl, res, dy):
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    if impl.pallas and dy2.shape[0] > 0:
+    dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])  # not -1: D may be 0
+    if impl.pallas and dy2.size > 0:
         db = kernels.column_sum_f32(dy2, interpret=impl.interpret)
     else:
         db = jnp.sum(dy2.astype(B.acc_dtype(dy2)), axis=0)
