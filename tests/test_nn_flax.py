@@ -434,6 +434,42 @@ def test_nnx_batch_norm_running_statistics_over_many_steps_bf16(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_dropout_modules_flax_keys_jaxbwd_masks(impl):
+    """linen and nnx Dropout: flax's key (explicit, from the rng collection or the module's
+    stream) goes into jaxbwd.dropout; flax's own code for deterministic, rate 0/1,
+    broadcast_dims; the backward regenerates the mask (grads zero exactly where dropped)."""
+    import flax.linen as fnn
+
+    import jaxbwd.nn as jnn
+
+    x = _rand((4, 64))
+    k = jax.random.PRNGKey(3)
+    want = jaxbwd.dropout(x, 0.3, rng=k)
+    lin = jnn.Dropout(0.3, implementation=impl)
+    chex.assert_trees_all_equal(lin.apply({}, x, False, rng=k), want)
+    drawn = fnn.Dropout(0.0).apply({}, x, False, rngs={"dropout": k}, method=lambda m, x, _: m.make_rng("dropout"))
+    chex.assert_trees_all_equal(lin.apply({}, x, False, rngs={"dropout": k}), jaxbwd.dropout(x, 0.3, rng=drawn))
+    g = jax.grad(lambda x: jnp.sum(lin.apply({}, x, False, rng=k) * x))(x)
+    np.testing.assert_array_equal(np.asarray(g == 0), np.asarray(want == 0))
+    for kw, call in [({"broadcast_dims": (0,)}, (x, False)), ({}, (x, True)), ({"rate": 1.0}, (x, False)), ({"rate": 0.0}, (x, False))]:
+        rate = kw.pop("rate", 0.3)
+        chex.assert_trees_all_equal(jnn.Dropout(rate, **kw).apply({}, *call, rng=k), fnn.Dropout(rate, **kw).apply({}, *call, rng=k))
+
+    ours = jnnx.Dropout(0.3, rngs=nnx.Rngs(dropout=5), implementation=impl)
+    theirs = nnx.Dropout(0.3, rngs=nnx.Rngs(dropout=5))
+    chex.assert_trees_all_equal(ours(x, rngs=k), want)
+    y = ours(x)  # a key from the module's own stream, drawn as flax draws it
+    theirs(x)
+    chex.assert_trees_all_equal(nnx.state(ours), nnx.state(theirs))  # the streams advanced alike
+    assert 0.2 < float(jnp.mean(y == 0)) < 0.4
+    for kw, call in [({"broadcast_dims": (0,)}, {}), ({}, {"deterministic": True})]:
+        a = jnnx.Dropout(0.3, **kw, rngs=nnx.Rngs(dropout=5))(x, **call)
+        chex.assert_trees_all_equal(a, nnx.Dropout(0.3, **kw, rngs=nnx.Rngs(dropout=5))(x, **call))
+    with pytest.raises(ValueError, match="no `rngs` argument"):
+        jnnx.Dropout(0.3)(x)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_nnx_embed_and_attend_match_flax(impl):
     ids = jnp.array([[1, 4, 9], [0, -1, 11]])
     ours = jnnx.Embed(10, 3, rngs=nnx.Rngs(0), implementation=impl)

@@ -7,6 +7,7 @@ from jaxbwd.nn.linen import (
     BatchNorm,
     Conv,
     Dense,
+    Dropout,
     Embed,
     GroupNorm,
     LayerNorm,
@@ -18,5 +19,5 @@ from jaxbwd.nn.linen import (
     dot_product_attention,
 )
 
-__all__ = ["Attention", "BatchNorm", "Conv", "Dense", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
+__all__ = ["Attention", "BatchNorm", "Conv", "Dense", "Dropout", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
            "PixelShuffle", "RMSNorm", "SwiGLUMLP", "Upsample", "dot_product_attention"]

@@ -165,3 +165,18 @@ def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, fea
     if bias is not None:
         y = jaxbwd.bias_add(y, bias, implementation=impl)
     return y.reshape(batch_shape + y.shape[1:]) if nb != 1 else y
+
+
+def dropout_covered(inputs, rate, broadcast_dims) -> bool:
+    """jaxbwd.dropout covers flax's Dropout for floating inputs, a static rate strictly
+    between 0 and 1 (flax's own code returns early at 0 and 1) and no broadcast dims."""
+    static = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+    return (static and 0.0 < rate < 1.0 and not tuple(broadcast_dims)
+            and jnp.issubdtype(jnp.result_type(inputs), jnp.floating))
+
+
+def threefry_key(key) -> bool:
+    """A key jaxbwd.dropout takes: threefry, typed or raw uint32 [2]."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.shape == () and jax.random.key_data(key).shape == (2,)
+    return key.shape == (2,) and key.dtype == jnp.uint32

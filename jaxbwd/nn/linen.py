@@ -1,6 +1,6 @@
 """Flax linen modules whose computation runs through jaxbwd's ops.
 
-``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dropout``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
 own modules of the same name: every flax argument, in flax's positional order, with flax's
 defaults, parameter names, initialisers and dtype promotion (``dtype``, ``param_dtype``,
 ``promote_dtype``). Each adds ``implementation`` (``None``, ``"pallas"``, ``"xla"``), passed
@@ -333,6 +333,33 @@ class BatchNorm(fnn.BatchNorm):
             if not self.is_initializing():
                 ra_mean.value, ra_var.value = new["mean"], new["var"]
         return y.astype(out)
+
+
+class Dropout(fnn.Dropout):
+    """``flax.linen.Dropout`` (all its arguments); kernel path :func:`jaxbwd.dropout`, whose
+    backward regenerates the mask from the key instead of saving it.
+
+    Kernel path: floating inputs, a static ``rate`` in (0, 1), no ``broadcast_dims``, a
+    threefry key (flax's default); otherwise flax's code (``deterministic``, rate 0 and 1
+    behave as flax's either way). The key is flax's (``rng``, else ``make_rng`` of
+    ``rng_collection``), but the mask drawn from it is jaxbwd's counter hash, not
+    ``jax.random.bernoulli``: the same keep probability and scaling, other elements than
+    flax's for the same key. Call: x [...] -> same shape and dtype.
+    Source: Srivastava et al. (JMLR 2014).
+    """
+
+    implementation: Optional[str] = None
+
+    @fnn.compact
+    def __call__(self, inputs, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None):
+        deterministic = fnn.module.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or not K.dropout_covered(inputs, self.rate, self.broadcast_dims):
+            return super().__call__(inputs, deterministic, rng)
+        if rng is None:
+            rng = self.make_rng(self.rng_collection)
+        if not K.threefry_key(rng):
+            return super().__call__(inputs, deterministic, rng)
+        return jaxbwd.dropout(inputs, self.rate, rng=rng, implementation=self.implementation)
 
 
 class Conv(fnn.Conv):

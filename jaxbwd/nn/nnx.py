@@ -1,6 +1,6 @@
 """Flax NNX modules whose computation runs through jaxbwd's ops.
 
-``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Linear``, ``Embed`` and ``Conv`` subclass the
+``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dropout``, ``Linear``, ``Embed`` and ``Conv`` subclass the
 flax NNX module of the same name and take its constructor unchanged (positional order,
 defaults, initialisers, metadata, ``dtype``/``param_dtype``/``promote_dtype``), plus
 ``implementation=None|"pallas"|"xla"``: parameters are flax's own, so NNX state moves
@@ -357,3 +357,37 @@ class BatchNorm(nnx.BatchNorm, _Impl):
                                    training=True, **kw)
         self.mean[...], self.var[...] = new["mean"], new["var"]
         return y.astype(out)
+
+
+class Dropout(nnx.Dropout, _Impl):
+    """``flax.nnx.Dropout`` (same constructor); kernel path :func:`jaxbwd.dropout`, whose
+    backward regenerates the mask from the key instead of saving it.
+
+    Kernel path as :class:`jaxbwd.nn.Dropout` (floating inputs, a static ``rate`` in
+    (0, 1), no ``broadcast_dims``, a threefry key); otherwise flax's ``__call__``. The key
+    is drawn as flax draws it (``rngs`` of the call, else the constructor's; a ``Rngs``
+    gives its ``rng_collection`` stream), the mask from it is jaxbwd's counter hash: flax's
+    keep probability and scaling, other elements. Call: x [...] -> same shape and dtype.
+    Source: Srivastava et al. (JMLR 2014).
+    """
+
+    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._set_impl(implementation)
+
+    def __call__(self, inputs, *, deterministic: Optional[bool] = None, rngs=None):
+        det = self.deterministic if deterministic is None else deterministic
+        source = self.rngs if rngs is None else rngs
+        if det is not False or source is None or not K.dropout_covered(inputs, self.rate, self.broadcast_dims):
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)  # flax's result or error
+        if isinstance(source, nnx.Rngs):
+            key = source[self.rng_collection]()
+        elif isinstance(source, nnx.RngStream):
+            key = source()
+        elif isinstance(source, jax.Array):
+            key = source
+        else:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)  # flax's TypeError
+        if not K.threefry_key(key):
+            return super().__call__(inputs, deterministic=deterministic, rngs=key)
+        return jaxbwd.dropout(inputs, self.rate, rng=key, implementation=self.implementation)
