@@ -170,18 +170,34 @@ def test_target_configs_name_the_architecture():
 # ---------------------------------------------------------------- the compiler
 
 
+def _op_cases(ops):
+    return deviceless.cases(list(ops), dtypes=("float32", "bfloat16"), gpus=GPUS)
+
+
 @pytest.fixture(scope="module")
-def jobs():
-    # Under pytest-xdist every worker compiles its own ops: one compile process each.
-    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else None
+def compiled(request):
+    """The cases of every op this session selected, compiled in one pool of workers (one
+    per core, each reused from case to case), once: a pool per op would start fresh
+    workers, a jax import each, for every op. Under pytest-xdist, None: each xdist worker
+    compiles its own ops in one process."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    ops = sorted({it.callspec.params["op"] for it in request.session.items
+                  if it.originalname == "test_kernels_compile_for_gpus"})
+    return deviceless.run(_op_cases(ops))
 
 
 @pytest.mark.compile
 @needs_compiler
 @pytest.mark.parametrize("op", KERNEL_OPS)
-def test_kernels_compile_for_gpus(op, jobs):
-    cs = deviceless.cases([op], dtypes=("float32", "bfloat16"), gpus=GPUS)
-    report = deviceless.run(cs, jobs=jobs)
+def test_kernels_compile_for_gpus(op, compiled):
+    cs = _op_cases([op])
+    if compiled is None:
+        report = deviceless.run(cs, jobs=1)
+    else:
+        ids = {c.id for c in cs}
+        report = {"rows": [r for r in compiled["rows"] if r["op"] == op],
+                  "failures": [f for f in compiled["failures"] if f["case"] in ids]}
     assert not report["failures"], report["failures"]
     assert not deviceless.missing_kernels(report, cs)
     spec = registry.get(op)
