@@ -113,6 +113,13 @@ def test_bias_dropout_add_edge_rates():
     assert jaxbwd.bias_dropout_add(x, b, r, 1.0, rng=key) is r
     g = jax.grad(lambda x, b: jnp.sum(jaxbwd.bias_dropout_add(x, b, r, 1.0, rng=key)), argnums=(0, 1))(x, b)
     chex.assert_trees_all_close(g, (jnp.zeros_like(x), jnp.zeros_like(b)))
+    # D = 0 (empty rows): empty grads on every path, bias_add's backward included
+    x0, b0 = jnp.ones((3, 0)), jnp.ones((0,))
+    for impl in IMPLS:
+        for rate in (0.0, 0.5):
+            f = lambda x, b: jnp.sum(jaxbwd.bias_dropout_add(x, b, x, rate, rng=key, implementation=impl))
+            gx, gb = jax.grad(f, argnums=(0, 1))(x0, b0)
+            assert gx.shape == (3, 0) and gb.shape == (0,)
 
 
 def test_dropout_traced_key_in_a_jitted_step():
