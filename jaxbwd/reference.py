@@ -365,32 +365,34 @@ def dropout(x, rate, *, rng=None, deterministic=False):
     """Reference dropout: ``x / (1 - rate)`` where the counter-based hash of (key, row, col) of
     x's [rows, cols] view keeps, else 0 (the mask's definition: ``jaxbwd/pallas/dropout.py``)."""
     from jaxbwd.pallas import _common as C
-    from jaxbwd.pallas import dropout as D
 
     if deterministic or rate == 0.0:
         return x
     if rate == 1.0:
         return jnp.zeros_like(x)
-    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    R, Cc = C.as_2d("dropout", x.shape)
-    rows, cols = jnp.arange(R, dtype=jnp.int32)[:, None], jnp.arange(Cc, dtype=jnp.int32)[None, :]
-    keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
+    keep = _dropout_keep(rng, x.shape, C.as_2d("dropout", x.shape), rate)
     return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _dropout_keep(rng, shape, view, rate):
+    """The keep mask of an array of ``shape`` on its [rows, cols] ``view``: the counter hash
+    of (key, row, col) defined in ``jaxbwd/pallas/dropout.py``."""
+    from jaxbwd.pallas import dropout as D
+
+    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    rows = jnp.arange(view[0], dtype=jnp.int32)[:, None]
+    cols = jnp.arange(view[1], dtype=jnp.int32)[None, :]
+    return D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(shape)
 
 
 def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False):
     """Reference ``residual + dropout(x + bias)``, the mask on x's [rows, D] view."""
-    from jaxbwd.pallas import dropout as D
-
     h = bias_add(x, bias)
     if deterministic or rate == 0.0:
         return residual + h
     if rate == 1.0:
         return residual
-    key = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
-    rows = jnp.arange(math.prod(x.shape[:-1]), dtype=jnp.int32)[:, None]
-    cols = jnp.arange(x.shape[-1], dtype=jnp.int32)[None, :]
-    keep = D.keep_mask(key[0], key[1], rows, cols, D.keep_threshold(rate)).reshape(x.shape)
+    keep = _dropout_keep(rng, x.shape, (math.prod(x.shape[:-1]), x.shape[-1]), rate)
     return (residual + jnp.where(keep, _f32(h) / (1.0 - rate), 0.0).astype(x.dtype)).astype(x.dtype)
 
 

@@ -27,7 +27,7 @@ def _column_sum_kernel(*refs, t: C.RowTiling, n_iter: int, G: int, transform):
         _, cols, mask = C.tile_index(g + it * G, j, t)
         rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows)
         tile = C.load_tile(dy_ref, rows, cols, mask)
-        if transform is not None:
+        if transform is not None:  # out-of-bounds lanes stay 0 in the sum, whatever transform(0) is
             tile = jnp.where(mask, transform(*extra, rows, cols, tile), 0.0)
             C.store_tile(refs[-2], rows, cols, tile, mask)
         return acc + jnp.sum(tile, axis=0)

@@ -53,9 +53,14 @@ def keep_mask(key, shape, rate, view=None):
     return kernels.keep_mask(key[0], key[1], rows, cols, kernels.keep_threshold(rate)).reshape(shape)
 
 
-def _apply(mask, v, rate):
+def _scaled(mask, v, rate):
+    """``v / (1 - rate)`` where ``mask`` keeps, else 0, in at least float32 (unrounded)."""
     cf = jnp.promote_types(v.dtype, jnp.float32)
-    return jnp.where(mask, v.astype(cf) * (1.0 / (1.0 - rate)), 0.0).astype(v.dtype)
+    return jnp.where(mask, v.astype(cf) * (1.0 / (1.0 - rate)), 0.0)
+
+
+def _apply(mask, v, rate):
+    return _scaled(mask, v, rate).astype(v.dtype)
 
 
 @functools.partial(custom_op, nondiff_argnums=(2, 3), name="dropout")
@@ -146,8 +151,7 @@ def _bias_dropout_add_bwd(rate, impl, res, dy):
         dx, db = kernels.bias_dropout_bwd(key, dy.reshape(R, D), rate=rate, interpret=impl.interpret)
         dx = dx.reshape(dy.shape)
     else:  # as the kernel: dbias sums the unrounded float32 dx
-        cf = jnp.promote_types(dy.dtype, jnp.float32)
-        dxf = jnp.where(keep_mask(key, dy.shape, rate, (R, D)), dy.astype(cf) * (1.0 / (1.0 - rate)), 0.0)
+        dxf = _scaled(keep_mask(key, dy.shape, rate, (R, D)), dy, rate)
         dx, db = dxf.astype(dy.dtype), jnp.sum(dxf.reshape(R, D), axis=0)
     return dx, db.astype(bias0.dtype), dy, None
 
