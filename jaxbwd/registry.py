@@ -520,6 +520,8 @@ _SPECS: list[OpSpec] = [
         lowering=(
             Example("1x8192x32:8x128-bf16-causal", lambda k, d: ((_sds((1, 8192, 32, 128), "bfloat16"), _sds((1, 8192, 8, 128), "bfloat16"), _sds((1, 8192, 8, 128), "bfloat16")), {"is_causal": True})),
             Example("1x4096x32:8x80-bf16-causal", lambda k, d: ((_sds((1, 4096, 32, 80), "bfloat16"), _sds((1, 4096, 8, 80), "bfloat16"), _sds((1, 4096, 8, 80), "bfloat16")), {"is_causal": True})),
+            # Gemma 2's attention: head_dim 256, local window, logit softcap 50.
+            Example("1x4096x16:8x256-bf16-causal-window-softcap", lambda k, d: ((_sds((1, 4096, 16, 256), "bfloat16"), _sds((1, 4096, 8, 256), "bfloat16"), _sds((1, 4096, 8, 256), "bfloat16")), {"is_causal": True, "sliding_window": 1024, "logit_softcap": 50.0})),
             Example("2x1000x8x64-f32-window-softcap", lambda k, d: ((_sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32")), {"sliding_window": 256, "logit_softcap": 50.0})),
         ),
         bad_inputs=(

@@ -156,6 +156,23 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
     _check("pallas", 1, 70, 70, 2, 1, H, dtype="bfloat16", blocks=blocks, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_head_dim_256_with_the_tuning_tables_tiles(dtype):
+    # The table's own head_dim-256 tiles (sm_90; interpret mode: no block override), which
+    # differ per kernel and between the two sides of dk/dv (32 query x 64 key rows for 16-bit):
+    # Gemma 2's window and softcap over several blocks with ragged tails, forward, grads and jvp.
+    kw = dict(is_causal=True, sliding_window=96, logit_softcap=30.0)
+    _check("pallas", 1, 200, 200, 2, 1, 256, dtype=dtype, blocks=None, **kw)
+    q, k, v, dq = _inputs(1, 200, 200, 2, 1, 256, dtype)
+    _, dk, dv, _ = _inputs(1, 200, 200, 2, 1, 256, dtype, seed=1)
+    f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
+    _, tangent = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, dq, dk, dv)
+    f32 = lambda x: x.astype(jnp.float32)
+    g = lambda q, k, v: ref.dot_product_attention(q, k, v, **kw)
+    _, want_t = jax.jvp(g, tuple(map(f32, (q, k, v))), tuple(map(f32, (dq, dk, dv))))
+    _close(tangent, want_t, TOL[dtype])
+
+
 def test_non_causal_key_tail_is_masked_only_in_the_last_block():
     # S = 37 over 16-key blocks: two unmasked blocks and one tail block per query block.
     _check("pallas", 2, 20, 37, 2, 2, 32, dtype="bfloat16", blocks=(16, 16))

@@ -81,6 +81,26 @@ TABLE: dict[str, dict[str, Config]] = {
         # main loop 41.9 -> 19.6 instructions per S element, HGMMA 40 -> 24).
         "attention_bwd_dkdv/h128/16bit": _(64, 64, num_warps=4, num_stages=2),
         "attention_jvp/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
+        # head_dim 256, 16-bit (compiled, H200, Gemma 2's window + softcap): the 64 x 32 /
+        # 32 x 32 tiles gave replicated wgmma (forward) and mma.sync (backward). 128 query
+        # rows split between the two warpgroups; dk/dv's 64 key rows on 8 warps, one stage to
+        # fit the shared memory: 244 registers, so the two [64, 256] f32 accumulators (256
+        # registers per thread on one warpgroup) are split between the warpgroups by head dim
+        # (inferred from the count, not read from the SASS). No spills; all HGMMA except
+        # dk/dv's 32 x 64 S and dP tiles (M = 32 < 64: mma.sync).
+        "attention_fwd/h256/16bit": _(128, 64, num_warps=8, num_stages=2),
+        "attention_bwd_dq/h256/16bit": _(128, 32, num_warps=8, num_stages=2),
+        "attention_bwd_dkdv/h256/16bit": _(32, 64, num_warps=8, num_stages=1),
+        # f32 at head_dim 256 (TF32): the forward's 64 x 32 tiles spilled 352 B; 32 x 32 on one
+        # warpgroup does not (mma.sync: M = 32). dk/dv spills at every tile tried (408 B at
+        # 16 x 32, 1912 B at 32 x 32): two [block_k, 256] f32 accumulators and f32 K/V tiles.
+        "attention_fwd/h256/f32": _(32, 32, num_warps=4, num_stages=2),
+        "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
+        # The tangent pass at head_dim 256 (twice the tiles): 64 x 32 needed 299 KB of shared
+        # memory in f32 (over the limit: jax.jvp failed to compile) and spilled 224 B in
+        # 16-bit. 16-bit: 16 x 32, no spills (mma.sync); f32: 16 x 16 on 8 warps, 40 B.
+        "attention_jvp/h256/16bit": _(16, 32, num_warps=4, num_stages=1),
+        "attention_jvp/h256/f32": _(16, 16, num_warps=8, num_stages=1),
         # conv2d: dgrad M = input pixels, N = input channels, K = (tap, output channel);
         # wgrad M = input channels, N = output channels, K = output pixels.
         # Compiled at the registry's UNet shapes (H200): 16-bit 96-118 registers, 2 blocks per
@@ -103,6 +123,12 @@ TABLE: dict[str, dict[str, Config]] = {
     },
     "sm_80": {
         **_ATTENTION,
+        # f32 at head_dim 256: 456 B of spills at 16 x 32 (1952 B at 32 x 32).
+        "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
+        # The tangent pass at head_dim 256: 16-bit no spills; f32 128 B (270 KB of shared
+        # memory at 64 x 32: over A100's 164 KB, jax.jvp failed to compile).
+        "attention_jvp/h256/16bit": _(16, 32, num_warps=4, num_stages=1),
+        "attention_jvp/h256/f32": _(16, 16, num_warps=8, num_stages=1),
         # A100 (compiled): 125-155 registers, one 8-warp block per SM.
         "conv2d_dgrad/16bit": _(128, 128, 32, num_warps=8, num_stages=3, blocks_per_sm=1),
         "conv2d_dgrad/f32": _(128, 128, 16, num_warps=8, num_stages=3, blocks_per_sm=1),
