@@ -290,7 +290,6 @@ CONV_CASES = [
     ({"features": 3, "kernel_size": (3, 3), "input_dilation": 2, "padding": 1}, (1, 4, 4, 2), False),
     ({"features": 3, "kernel_size": (3, 3), "padding": "SAME_LOWER"}, (1, 4, 4, 2), False),
     ({"features": 3, "kernel_size": (3, 3), "precision": jax.lax.Precision.HIGHEST}, (1, 4, 4, 2), False),
-    ({"features": 3, "kernel_size": (3, 3), "padding": ((-1, 1), (0, 0))}, (1, 6, 4, 2), False),
 ]
 
 
@@ -306,6 +305,31 @@ def test_linen_conv_matches_flax(kwargs, shape, kernel, impl):
 def test_linen_conv_dtype_promotion(x_dtype, dtype, param_dtype, impl):
     _linen_case("Conv", {"features": 3, "kernel_size": (3, 3), "dtype": dtype, "param_dtype": param_dtype},
                 _rand((1, 5, 5, 2), dtype=x_dtype), True, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding,crop", [(((-1, 1), (0, 0)), (slice(1, None), slice(None))),
+                                          (((2, -2), (-1, -1)), (slice(0, -2), slice(1, -1))),
+                                          (-1, (slice(1, -1), slice(1, -1)))])
+def test_linen_conv_negative_padding_crops_on_the_kernel_path(padding, crop, impl):
+    # Negative padding is a crop of the input (lax.conv_general_dilated's meaning). The
+    # reference is flax's Conv on the input cropped by slicing, with the rest of the padding:
+    # flax's own negative-padding call is not one, as XLA:CPU in jaxlib 0.10.2 computes its
+    # backward from out-of-bounds reads (openxla/xla#48713).
+    x = _rand((2, 7, 6, 3))
+    pad = ((padding, padding), (padding, padding)) if isinstance(padding, int) else padding
+    ours = jnn.Conv(4, (3, 3), padding=padding, implementation=impl)
+    theirs = fnn.Conv(4, (3, 3), padding=tuple((max(lo, 0), max(hi, 0)) for lo, hi in pad))
+    cropped = lambda x: x[(slice(None),) + crop]
+    params = theirs.init(jax.random.PRNGKey(1), cropped(x))
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(1), x), params)
+    loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x)))
+    y, g = ours.apply(params, x), jax.grad(loss(ours.apply), argnums=(0, 1))(params, x)
+    ref = lambda p, x: theirs.apply(p, cropped(x))
+    want, gw = ref(params, x), jax.grad(loss(ref), argnums=(0, 1))(params, x)
+    assert y.shape == want.shape
+    chex.assert_trees_all_close((y, g), (want, gw), atol=1e-5, rtol=1e-5)
+    assert _uses_jaxbwd(lambda p, x: ours.apply(p, x), params, x)
 
 
 def test_linen_conv_closed_forms():

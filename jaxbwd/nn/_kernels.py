@@ -114,10 +114,11 @@ def _tuple(v, n):
     return (v,) * n if isinstance(v, int) else tuple(v)
 
 
-def conv_covered(kernel_size: Sequence[int], padding, input_dilation) -> bool:
+def conv_covered(kernel_size: Sequence[int], padding, input_dilation, spatial: Sequence[int]) -> bool:
     """1-D and 2-D kernels without input dilation, with any of flax's padding spellings that
-    reduce to explicit zero padding (ints, pairs, SAME, VALID) or to a pad before a VALID
-    convolution (CIRCULAR, REFLECT, CAUSAL)."""
+    reduce to explicit zero padding (ints, pairs, SAME, VALID), to a pad before a VALID
+    convolution (CIRCULAR, REFLECT, CAUSAL) or, for negative explicit padding, to a crop of
+    the input (``spatial``: its spatial sizes) that leaves at least one element."""
     n = len(kernel_size)
     if n not in (1, 2) or any(d != 1 for d in _tuple(input_dilation, n)):
         return False
@@ -127,7 +128,9 @@ def conv_covered(kernel_size: Sequence[int], padding, input_dilation) -> bool:
         return False  # flax's own call raises its message
     if isinstance(pad, str):  # flax matches CIRCULAR/REFLECT/CAUSAL case-sensitively, lax SAME/VALID not
         return pad.upper() in ("SAME", "VALID") or pad in ("CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
-    return all(isinstance(v, int) and v >= 0 for p in pad for v in p)  # conv2d pads with zeros only
+    if not all(isinstance(v, int) for p in pad for v in p):
+        return False
+    return all(size + min(lo, 0) + min(hi, 0) >= 1 for size, (lo, hi) in zip(spatial, pad))
 
 
 def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, feature_group_count, impl):
@@ -155,6 +158,13 @@ def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, fea
         else:
             pad = jax.lax.padtype_to_pads(x.shape[1:-1], eff, strides, pad.upper())
     pad = [tuple(int(v) for v in p) for p in pad]
+    # Negative padding crops, as in lax.conv_general_dilated; done here as a slice, so that
+    # neither the kernel nor XLA sees it (XLA:CPU in jaxlib 0.10.2 reads out of bounds in the
+    # backward of a convolution with negative low padding: openxla/xla#48713).
+    if any(v < 0 for p in pad for v in p):
+        x = x[(slice(None),) + tuple(slice(-min(lo, 0), size + min(hi, 0))
+                                     for size, (lo, hi) in zip(x.shape[1:-1], pad))]
+        pad = [(max(lo, 0), max(hi, 0)) for lo, hi in pad]
     if n == 1:
         x, kernel = x[:, None], kernel[None]
         strides, dil, pad = (1,) + strides, (1,) + dil, [(0, 0)] + pad

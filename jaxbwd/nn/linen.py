@@ -371,9 +371,10 @@ class Conv(fnn.Conv):
     ``kernel_dilation``, ``feature_group_count``, ``mask`` (multiplied into the kernel, as
     flax), padding an int, ints, pairs, ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``,
     ``"REFLECT"`` or (1-D) ``"CAUSAL"`` (the last three pad the input and convolve VALID,
-    as flax), unbatched or any number of batch dims, ``precision=None`` and no
-    ``conv_general_dilated``/``_cls``. Otherwise (3-D kernels, input dilation, negative
-    padding, other padding strings, a precision) flax's code. Source: as ``flax.linen.Conv``.
+    as flax), negative explicit padding (a crop of the input, sliced before the kernel, as
+    long as one element is left), unbatched or any number of batch dims, ``precision=None``
+    and no ``conv_general_dilated``/``_cls``. Otherwise (3-D kernels, input dilation, other
+    padding strings, a precision) flax's code. Source: as ``flax.linen.Conv``.
     """
 
     implementation: Optional[str] = None
@@ -383,7 +384,7 @@ class Conv(fnn.Conv):
         ks = (self.kernel_size,) if isinstance(self.kernel_size, int) else tuple(self.kernel_size)
         cin, fgc = jnp.shape(inputs)[-1], self.feature_group_count
         kernel_shape = ks + (cin // fgc, self.features)
-        if not (K.conv_covered(ks, self.padding, self.input_dilation) and self.precision is None
+        if not (K.conv_covered(ks, self.padding, self.input_dilation, jnp.shape(inputs)[-len(ks) - 1:-1]) and self.precision is None
                 and self.conv_general_dilated is None and self.conv_general_dilated_cls is None
                 and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0
                 and (self.mask is None or self.mask.shape == kernel_shape)):
