@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 import jaxbwd
 from jaxbwd.registry import BadInput, Example
@@ -71,6 +72,9 @@ def _pallas_backward(res, dy, *, interpret):
         grid=(pl.cdiv(rows, BLOCK_ROWS), pl.cdiv(cols, BLOCK_COLS)),
         in_specs=[block, block], out_specs=block,
         out_shape=jax.ShapeDtypeStruct(x2.shape, x.dtype), interpret=interpret,
+        # Triton's parameters select the Triton backend, as jaxbwd's kernels do; without
+        # them jax 0.10 lowers a GPU pallas_call through Mosaic GPU instead.
+        compiler_params=pltriton.CompilerParams(num_warps=4),
     )(x2, dy2)
     return (dx.reshape(shape),)
 

@@ -20,6 +20,9 @@ table does not list:
 - asked for per call (``implementation="pallas:mosaic"``): ``ValueError``, since the caller
   named that kernel explicitly.
 
+The Mosaic kernels need jax >= 0.12 (``MOSAIC_AVAILABLE``); on older jax no op has one, and
+the same rule applies.
+
 Mosaic interpret mode (``interpret=True`` with the Mosaic backend) runs the kernels in Mosaic
 GPU's interpreter (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA,
 barriers and wgmma and, with ``detect_races`` (on by default here), checks for data races.
@@ -58,6 +61,9 @@ MOSAIC_KERNELS = {
     # in shared memory (jaxbwd/pallas/mosaic/attention.py).
     "dot_product_attention": {90: {"dtypes": ("bfloat16", "float16"), "max_last_dim": 128}},
 }
+# The Mosaic GPU kernels are written against jax 0.12's Pallas Mosaic GPU API; on older jax
+# the table is empty (settings-wide choices run Triton, per-call requests raise).
+MOSAIC_AVAILABLE = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def _env_implementation() -> Optional[str]:
@@ -209,7 +215,7 @@ def pallas_backend() -> str:
 def mosaic_supported(op: str, dtype, sm: int, last_dim: Optional[int] = None) -> bool:
     """Whether ``MOSAIC_KERNELS`` has a Mosaic GPU kernel for ``op`` on compute capability
     ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``."""
-    entry = MOSAIC_KERNELS.get(op, {}).get(int(sm))
+    entry = MOSAIC_KERNELS.get(op, {}).get(int(sm)) if MOSAIC_AVAILABLE else None
     if entry is None or dtype is None or jax.numpy.dtype(dtype).name not in entry["dtypes"]:
         return False
     return last_dim is None or last_dim <= entry.get("max_last_dim", last_dim)
@@ -231,6 +237,12 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
     backend = requested or pallas_backend()
     if backend == "mosaic" and not mosaic_supported(op, dtype, sm, last_dim):
         if requested:
+            if not MOSAIC_AVAILABLE:
+                raise ValueError(
+                    f"jaxbwd.{op}: implementation='pallas:mosaic' needs jax >= 0.12 (the Mosaic GPU "
+                    f"kernels use its Pallas API), got jax {jax.__version__} (use 'pallas' for the "
+                    "Triton kernels)"
+                )
             have = {f"sm_{k}": v for k, v in MOSAIC_KERNELS.get(op, {}).items()}
             raise ValueError(
                 f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel for "

@@ -130,7 +130,10 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
         inputs (``res`` is the tuple of arrays).
       pallas_backward: ``pallas_backward(res, dy, *, interpret, **static) -> tuple``, the
         kernel path (``implementation="pallas"``, the default on GPU); pass ``interpret``
-        to ``pl.pallas_call``. It must compute what ``backward`` computes: the contract
+        to ``pl.pallas_call``, and Triton's ``compiler_params``
+        (``jax.experimental.pallas.triton.CompilerParams``) to lower it through Triton on
+        every supported jax (jax 0.10 otherwise picks Mosaic GPU, which the lowering check
+        does not look for). It must compute what ``backward`` computes: the contract
         holds both to autodiff of the reference, and second derivatives on the kernel path
         differentiate ``backward``.
       kernels: the ``pallas_call`` names ``pallas_backward`` launches (tests check they ran

@@ -57,7 +57,8 @@ def _fwd_bwd(impl, **kw):
 # The tests that run the kernels in Mosaic's interpreter are opt-in (JAXBWD_MOSAIC_INTERPRET_TESTS=1):
 # besides taking minutes on 2 cores, the interpreter's runs have hung intermittently (see the
 # module docstring), which a CI run cannot absorb. The switch, lowering and compile tests run always.
-interpreted = pytest.mark.skipif(
+needs_mosaic = pytest.mark.skipif(not config.MOSAIC_AVAILABLE, reason="the Mosaic GPU kernels need jax >= 0.12")
+interpreted = needs_mosaic if not config.MOSAIC_AVAILABLE else pytest.mark.skipif(
     os.environ.get("JAXBWD_MOSAIC_INTERPRET_TESTS") != "1",
     reason="runs Mosaic GPU kernels in Mosaic's interpreter, whose runs have hung intermittently on "
            "jax 0.12.0.1 (module docstring); opt in with JAXBWD_MOSAIC_INTERPRET_TESTS=1")
@@ -149,6 +150,7 @@ def test_triton_is_the_default():
     assert _kernels_for("pallas") == set(TA.KERNELS)
 
 
+@needs_mosaic
 def test_settings_choose_mosaic_per_op_and_fall_back_to_triton():
     assert _kernels_for("pallas", pallas_backend="mosaic") == set(MOSAIC)
     # No Mosaic kernel for f32 inputs or head dims over 128: the settings-wide choice runs Triton.
@@ -159,6 +161,15 @@ def test_settings_choose_mosaic_per_op_and_fall_back_to_triton():
     assert _kernels_for("pallas:triton", pallas_backend="mosaic") == set(TA.KERNELS)
 
 
+def test_without_jax_0_12_settings_run_triton_and_per_call_mosaic_raises(monkeypatch):
+    monkeypatch.setattr(config, "MOSAIC_AVAILABLE", False)
+    assert _kernels_for("pallas", pallas_backend="mosaic") == set(TA.KERNELS)
+    with pytest.raises(ValueError, match=r"dot_product_attention: implementation='pallas:mosaic' needs jax >= 0\.12 "
+                                         r"\(the Mosaic GPU kernels use its Pallas API\), got jax "):
+        _kernels_for("pallas:mosaic")
+
+
+@needs_mosaic
 def test_per_call_mosaic_without_a_kernel_raises():
     with pytest.raises(ValueError, match=r"dot_product_attention: implementation='pallas:mosaic' has no Mosaic "
                                          r"GPU kernel for float32 inputs with last dim 16 on sm_90"):
@@ -181,13 +192,14 @@ def test_environment_variable():
             "print(config.resolve_pallas_backend(None, 'dot_product_attention', 'bfloat16', 80))")
     env = dict(os.environ, JAXBWD_PALLAS_BACKEND="mosaic", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["mosaic", "mosaic", "triton", "triton"]
+    assert out.split() == ["mosaic", "mosaic" if config.MOSAIC_AVAILABLE else "triton", "triton", "triton"]
     env["JAXBWD_PALLAS_BACKEND"] = "rocm"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "JAXBWD_PALLAS_BACKEND must be one of ('triton', 'mosaic')" in bad.stderr
 
 
 # --------------------------------------------------------------------------- lowering
+@needs_mosaic
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(sliding_window=512, logit_softcap=30.0, segments=True)],
                          ids=["causal", "window-softcap-segments"])
 def test_lowers_for_cuda_at_realistic_shapes(kw):

@@ -364,7 +364,12 @@ class custom_op:
 
     def _call_custom_vjp(self, nondiff, dyn):
         rules = self._rules(nondiff)
-        f = jax.custom_vjp(rules.primal)
+
+        def primal(*a):
+            return rules.primal(*a)
+
+        primal.__name__ = primal.__qualname__ = self.name  # jaxprs show custom_vjp_call[name=<op>]
+        f = jax.custom_vjp(primal)
         f.defvjp(rules.fwd, lambda res, ct: tuple(rules.bwd(res, ct)))
         try:
             return f(*dyn)
