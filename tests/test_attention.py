@@ -156,15 +156,16 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
     _check("pallas", 1, 70, 70, 2, 1, H, dtype="bfloat16", blocks=blocks, is_causal=True)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_head_dim_256_with_the_tuning_tables_tiles(dtype):
-    # The table's own head_dim-256 tiles (sm_90; interpret mode: no block override), which
-    # differ per kernel and between the two sides of dk/dv (32 query x 64 key rows for 16-bit):
-    # Gemma 2's window and softcap over several blocks with ragged tails, forward, grads and jvp.
+@pytest.mark.parametrize("H,dtype", [(256, "bfloat16"), (256, "float32"), (80, "float32"), (64, "float32")])
+def test_tuning_tables_own_tiles(H, dtype):
+    # The table's own tiles (sm_90; interpret mode: no block override), which differ per
+    # kernel and between the two sides of dk/dv (e.g. 16 query x 64 key rows in f32, 128 x 32
+    # in the f32 forward and dq): a window and softcap over several blocks with ragged tails,
+    # forward, grads and jvp.
     kw = dict(is_causal=True, sliding_window=96, logit_softcap=30.0)
-    _check("pallas", 1, 200, 200, 2, 1, 256, dtype=dtype, blocks=None, **kw)
-    q, k, v, dq = _inputs(1, 200, 200, 2, 1, 256, dtype)
-    _, dk, dv, _ = _inputs(1, 200, 200, 2, 1, 256, dtype, seed=1)
+    _check("pallas", 1, 200, 200, 2, 1, H, dtype=dtype, blocks=None, **kw)
+    q, k, v, dq = _inputs(1, 200, 200, 2, 1, H, dtype)
+    _, dk, dv, _ = _inputs(1, 200, 200, 2, 1, H, dtype, seed=1)
     f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
     _, tangent = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, dq, dk, dv)
     f32 = lambda x: x.astype(jnp.float32)

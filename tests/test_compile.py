@@ -20,12 +20,6 @@ KERNEL_OPS = [s.name for s in registry.ops() if s.has_kernels]
 # that starts to spill, or one of these that spills more, fails the gate; work on these
 # kernels shortens the list.
 KNOWN_SPILLS = {
-    # f32 at the default precision (TF32 tensor-core dots).
-    ("attention_fwd", "float32", "h200"): 88, ("attention_fwd", "float32", "a100"): 32,
-    ("attention_bwd_dkdv", "float32", "h200"): 456, ("attention_bwd_dkdv", "float32", "a100"): 2352,
-    ("attention_bwd_dq", "float32", "h200"): 240, ("attention_bwd_dq", "float32", "a100"): 440,
-    # A100, bf16, window + softcap at head_dim 64: 255 registers, a few words over.
-    ("attention_fwd", "bfloat16", "a100"): 48, ("attention_bwd_dq", "bfloat16", "a100"): 40,
     # A100 at 5120 columns: two 4096-column chunks on 8 warps, a few words over 255 registers.
     ("layer_norm_bwd", "float32", "a100"): 56, ("layer_norm_bwd", "bfloat16", "a100"): 40,
     # rope_bwd: not register spills; the 32-byte stack is libdevice sin/cos's buffer for the

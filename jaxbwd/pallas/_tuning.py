@@ -81,6 +81,16 @@ TABLE: dict[str, dict[str, Config]] = {
         # main loop 41.9 -> 19.6 instructions per S element, HGMMA 40 -> 24).
         "attention_bwd_dkdv/h128/16bit": _(64, 64, num_warps=4, num_stages=2),
         "attention_jvp/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
+        # f32 (TF32) at head_dim <= 128 (compiled, H200): the 16-bit tiles spilled 88-456 B
+        # (not the forward at head_dim 128, which keeps them: 254 registers, no spills).
+        # 128 query rows over the two warpgroups for the forward and dq; dk/dv with 16 query
+        # x 64 key rows, one stage (mma.sync for the 16-row S and dP tiles, wgmma for dk and
+        # dv). No spills at 160-250 registers.
+        "attention_fwd/h64/f32": _(128, 32, num_warps=8, num_stages=2),
+        "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
+        "attention_bwd_dkdv/h64/f32": _(16, 64, num_warps=4, num_stages=1),
+        "attention_bwd_dq/h128/f32": _(128, 32, num_warps=8, num_stages=1),
+        "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         # head_dim 256, 16-bit (compiled, H200, Gemma 2's window + softcap): the 64 x 32 /
         # 32 x 32 tiles gave replicated wgmma (forward) and mma.sync (backward). 128 query
         # rows split between the two warpgroups; dk/dv's 64 key rows on 8 warps, one stage to
@@ -123,6 +133,15 @@ TABLE: dict[str, dict[str, Config]] = {
     },
     "sm_80": {
         **_ATTENTION,
+        # head_dim 64 with a window and softcap (compiled, A100): the sm_90 tiles spilled
+        # 32-1400 B in f32 and 40-48 B in 16-bit. 128 query rows on 8 warps for the forward
+        # and dq (mma.sync is per warp: 16 rows each), f32 dk/dv at 16 x 32 on 4 warps.
+        "attention_fwd/h64/16bit": _(128, 32, num_warps=8, num_stages=2),
+        "attention_bwd_dq/h64/16bit": _(128, 32, num_warps=8, num_stages=1),
+        "attention_fwd/h64/f32": _(128, 32, num_warps=8, num_stages=2),
+        "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
+        "attention_bwd_dkdv/h64/f32": _(16, 32, num_warps=4, num_stages=1),
+        "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),  # was 2352 B of spills
         # f32 at head_dim 256: 456 B of spills at 16 x 32 (1952 B at 32 x 32).
         "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
         # The tangent pass at head_dim 256: 16-bit no spills; f32 128 B (270 KB of shared

@@ -99,12 +99,14 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     compute the same rows and every exp and mask is done twice (seen in the compiled SASS:
     ``python -m jaxbwd compile``). So on sm_90+ with 16-bit inputs dq, whose accumulator is
     [block_q, H], takes 128 query rows (compiled at head_dim 128: ex2 and instructions per
-    S element halved, no spills). Not on sm_80 (mma.sync is per warp: no replica, and 128
-    rows take 255 registers), not for f32 (spills, and over A100's shared memory), and not
-    for dk/dv: its two [block_k, H] f32 accumulators at block_k = 128 need 128 registers per
-    thread by themselves and the kernel spills. 16-bit dk/dv on sm_90 instead keeps 64 key
-    rows on 4 warps, one warpgroup: no replica either (255 registers at head_dim 128, no
-    spills). The table is ``_tuning``'s.
+    S element halved, no spills). Not on sm_80 at head_dim 128 (mma.sync is per warp: no
+    replica, and 128 rows take 255 registers), and not for dk/dv: its two [block_k, H] f32
+    accumulators at block_k = 128 need 128 registers per thread by themselves and the kernel
+    spills. 16-bit dk/dv on sm_90 instead keeps 64 key rows on 4 warps, one warpgroup: no
+    replica either (255 registers at head_dim 128, no spills). f32 (TF32) takes its own
+    tiles: 128 query rows on 8 warps with 32-key blocks for the forward and dq, and 16 query
+    rows against 64 key rows for dk/dv, one stage (the 16-bit tiles spilled in f32). The
+    table is ``_tuning``'s.
     """
     cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
