@@ -142,6 +142,10 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
         "attention_bwd_dkdv/h64/f32": _(16, 32, num_warps=4, num_stages=1),
         "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),  # was 2352 B of spills
+        # The tangent pass at head_dim 80-128 (A100): 64 x 32 on 8 warps spilled 624 B (f32)
+        # and 56 B (16-bit); these compile without spills at 192-255 registers.
+        "attention_jvp/h128/f32": _(16, 64, num_warps=8, num_stages=1),
+        "attention_jvp/h128/16bit": _(32, 64, num_warps=8, num_stages=1),
         # f32 at head_dim 256: 456 B of spills at 16 x 32 (1952 B at 32 x 32).
         "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
         # The tangent pass at head_dim 256: 16-bit no spills; f32 128 B (270 KB of shared
