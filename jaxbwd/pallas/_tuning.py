@@ -102,10 +102,12 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_bwd_dq/h256/16bit": _(128, 32, num_warps=8, num_stages=2),
         "attention_bwd_dkdv/h256/16bit": _(32, 64, num_warps=8, num_stages=1),
         # f32 at head_dim 256 (TF32): the forward's 64 x 32 tiles spilled 352 B; 32 x 32 on one
-        # warpgroup does not (mma.sync: M = 32). dk/dv spills at every tile tried (408 B at
-        # 16 x 32, 1912 B at 32 x 32): two [block_k, 256] f32 accumulators and f32 K/V tiles.
+        # warpgroup does not (mma.sync: M = 32). dk/dv holds two [block_k, 256] f32
+        # accumulators and f32 K/V tiles: 16 key rows on 8 warps is the first tile without
+        # spills (1912 B at 32 x 32, 408 B at 16 x 32 on 4 warps, 8 B on 8), at the price of
+        # reading Q and dO once per 16 keys.
         "attention_fwd/h256/f32": _(32, 32, num_warps=4, num_stages=2),
-        "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
+        "attention_bwd_dkdv/h256/f32": _(16, 16, num_warps=8, num_stages=1),
         # The tangent pass at head_dim 256 (twice the tiles): 64 x 32 needed 299 KB of shared
         # memory in f32 (over the limit: jax.jvp failed to compile) and spilled 224 B in
         # 16-bit. 16-bit: 16 x 32, no spills (mma.sync); f32: 16 x 16 on 8 warps, 40 B.
@@ -146,8 +148,8 @@ TABLE: dict[str, dict[str, Config]] = {
         # and 56 B (16-bit); these compile without spills at 192-255 registers.
         "attention_jvp/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         "attention_jvp/h128/16bit": _(32, 64, num_warps=8, num_stages=1),
-        # f32 at head_dim 256: 456 B of spills at 16 x 32 (1952 B at 32 x 32).
-        "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=4, num_stages=1),
+        # f32 at head_dim 256: no spills at 16 x 16 on 8 warps (1952 B at 32 x 32).
+        "attention_bwd_dkdv/h256/f32": _(16, 16, num_warps=8, num_stages=1),
         # The tangent pass at head_dim 256: 16-bit no spills; f32 128 B (270 KB of shared
         # memory at 64 x 32: over A100's 164 KB, jax.jvp failed to compile).
         "attention_jvp/h256/16bit": _(16, 32, num_warps=4, num_stages=1),
