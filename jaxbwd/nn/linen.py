@@ -384,7 +384,8 @@ class Conv(fnn.Conv):
         ks = (self.kernel_size,) if isinstance(self.kernel_size, int) else tuple(self.kernel_size)
         cin, fgc = jnp.shape(inputs)[-1], self.feature_group_count
         kernel_shape = ks + (cin // fgc, self.features)
-        if not (K.conv_covered(ks, self.padding, self.input_dilation, jnp.shape(inputs)[-len(ks) - 1:-1]) and self.precision is None
+        spatial = jnp.shape(inputs)[-len(ks) - 1:-1]
+        if not (K.conv_covered(ks, self.padding, self.input_dilation, spatial) and self.precision is None
                 and self.conv_general_dilated is None and self.conv_general_dilated_cls is None
                 and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0
                 and (self.mask is None or self.mask.shape == kernel_shape)):

@@ -176,7 +176,8 @@ class Conv(nnx.Conv, _Impl):
 
     def __call__(self, inputs, out_sharding=None):
         ks = tuple(self.kernel_size)
-        if not (out_sharding is None and K.conv_covered(ks, self.padding, self.input_dilation, jnp.shape(inputs)[-len(ks) - 1:-1])
+        spatial = jnp.shape(inputs)[-len(ks) - 1:-1]
+        if not (out_sharding is None and K.conv_covered(ks, self.padding, self.input_dilation, spatial)
                 and self.precision is None and self.conv_general_dilated is jax.lax.conv_general_dilated
                 and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
                 and (self.mask is None or self.mask.shape == self.kernel_shape)):

@@ -90,10 +90,10 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
         "attention_bwd_dkdv/h64/f32": _(16, 64, num_warps=4, num_stages=1),
         "attention_bwd_dq/h128/f32": _(128, 32, num_warps=8, num_stages=1),
+        "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         # The f32 tangent pass at head_dim 80-128: 64 x 32 spilled 24 B; 16-key blocks on 8
         # warps keep wgmma with no spills (248-255 registers).
         "attention_jvp/h128/f32": _(64, 16, num_warps=8, num_stages=1),
-        "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         # head_dim 256, 16-bit (compiled, H200, Gemma 2's window + softcap): the 64 x 32 /
         # 32 x 32 tiles gave replicated wgmma (forward) and mma.sync (backward). 128 query
         # rows split between the two warpgroups; dk/dv's 64 key rows on 8 warps, one stage to

@@ -104,9 +104,9 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     accumulators at block_k = 128 need 128 registers per thread by themselves and the kernel
     spills. 16-bit dk/dv on sm_90 instead keeps 64 key rows on 4 warps, one warpgroup: no
     replica either (255 registers at head_dim 128, no spills). f32 (TF32) takes its own
-    tiles: 128 query rows on 8 warps with 32-key blocks for the forward and dq, and 16 query
-    rows against 64 key rows for dk/dv, one stage (the 16-bit tiles spilled in f32). The
-    table is ``_tuning``'s.
+    tiles where the 16-bit ones spilled: on sm_90 128 query rows on 8 warps with 32-key
+    blocks for dq (and the forward at head_dim 64), and 16 query rows against 64 key rows
+    for dk/dv, one stage. The table is ``_tuning``'s.
     """
     cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
