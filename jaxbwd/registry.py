@@ -589,6 +589,8 @@ _SPECS: list[OpSpec] = [
         examples=(
             Example("1x5x7x3-x2-nearest", lambda k, dt: ((_normal(k, (1, 5, 7, 3), dt), 2), {"method": "nearest"})),
             Example("2x5x7x3-x(2,3)-bilinear", lambda k, dt: ((_normal(k, (2, 5, 7, 3), dt), (2, 3)), {"method": "bilinear"})),
+            # 96 channels: three 32-wide column blocks; 162 pixels: ragged row blocks.
+            Example("2x9x9x96-x2-bilinear", lambda k, dt: ((_normal(k, (2, 9, 9, 96), dt), 2), {"method": "bilinear"})),
         ),
         lowering=tuple(
             Example(f"8x32x32x640-x2-{m}", lambda k, d, m=m: ((_sds((8, 32, 32, 640), "bfloat16"),), {"scale": 2, "method": m}))

@@ -26,8 +26,6 @@ KNOWN_SPILLS = {
     # Payne-Hanek reduction of large angles (|angle| > 105615, positions past ~100k).
     ("rope_bwd", "float32", "h200"): 32, ("rope_bwd", "bfloat16", "h200"): 32,
     ("rope_bwd", "float32", "a100"): 32, ("rope_bwd", "bfloat16", "a100"): 32,
-    ("upsample2d_bwd", "float32", "h200"): 8, ("upsample2d_bwd", "bfloat16", "h200"): 8,
-    ("upsample2d_bwd", "float32", "a100"): 8,
     # The tangent pass at head_dim 256 in f32 (TF32), per case so that every other attention
     # case keeps a zero budget: four [block, 256] f32 tiles live (the least-spilling tiles
     # found are in the tuning table).

@@ -51,6 +51,20 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def least_padded_pow2(n: int, cap: int, floor: int = 32) -> int:
+    """The power-of-two block in [min(floor, next_pow2(n)), cap] that pads ``n`` least
+    (ties: the larger block). 640 channels take 128-wide blocks (five, no masked lanes)
+    instead of one 1024-wide block with 384 masked lanes; ``floor`` keeps rows of at least
+    32 elements so loads stay coalesced."""
+    hi = min(next_pow2(n), cap)
+    b, best = hi, hi
+    while b >= min(floor, hi):
+        if cdiv(n, b) * b < cdiv(n, best) * best:
+            best = b
+        b //= 2
+    return best
+
+
 @dataclasses.dataclass(frozen=True)
 class RowTiling:
     """How a [rows, cols] problem is cut into power-of-two tiles.
