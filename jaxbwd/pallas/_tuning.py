@@ -167,6 +167,9 @@ TABLE: dict[str, dict[str, Config]] = {
         # sm_80 compiles the same row code at about twice sm_90's registers (215-255 at
         # 4096 columns on 8 warps; 16 warps at 8192 spill): chunks of 4096.
         "norm_bwd": _(1, 4096, num_warps=8, blocks_per_sm=1),
+        # rms_norm over several 4096-column chunks (sums of every chunk first, then the own
+        # chunk again for dx): 94-105 registers, two blocks per SM.
+        "norm_bwd/rms/c4096/chunked": _(1, 4096, num_warps=8, blocks_per_sm=2),
         "bias_add_dbias/16bit": _(32, 256, num_warps=4, blocks_per_sm=8),
         "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
         "bias_dropout_add_bwd/16bit": _(16, 256, num_warps=4, blocks_per_sm=5),  # 95-96 registers
@@ -306,7 +309,8 @@ def norm_bwd(n_rows: int, n_cols: int, centered: bool = True) -> tuple[C.RowTili
     chunks, one per program), about 16 elements per thread and operand, several rows per
     step when rows are short."""
     block_cols = min(C.next_pow2(n_cols), get("norm_bwd").block_n)
-    cfg = get(f"norm_bwd/{'layer' if centered else 'rms'}/c{block_cols}")
+    chunked = "/chunked" if n_cols > block_cols else ""
+    cfg = get(f"norm_bwd/{'layer' if centered else 'rms'}/c{block_cols}{chunked}")
     block_rows = max(1, min(4096 // block_cols, 64, C.next_pow2(n_rows)))
     warps = max(1, min(cfg.num_warps, block_rows * block_cols // 512))
     return C.RowTiling(n_rows, n_cols, block_rows, block_cols, warps), cfg

@@ -14,9 +14,10 @@ Sennrich 2019 for RMSNorm).
 Grid (column chunks, G). A row of up to ``block_n`` columns (the tuning table's, 8192) is one
 chunk: program (0, g) holds it in registers, one read of x and dy, one write of dx. Wider
 rows are cut into chunks, one program per chunk and row set; each program still needs the
-full-row sums, so it reads the other chunks of its rows once more for them (its neighbours
-in the grid read the same rows at the same time, so those reads mostly hit L2) and writes
-dx only for its own chunk. Program (j, g) walks rows g, g + G, ... (a persistent grid, G
+full-row sums, so it first reads every chunk of its rows for them (its neighbours in the
+grid read the same rows at the same time, so those reads mostly hit L2), then its own
+chunk once more for dx, which it writes for that chunk only. Holding the own chunk across
+the sums instead (one read fewer) spilled 40-56 B on sm_80 at 5120 columns. Program (j, g) walks rows g, g + G, ... (a persistent grid, G
 from the compiled occupancy: ``_tuning.split``), keeps its dw/db partials and its chunk of
 the weight in registers for all its rows, and writes them once to row g of an f32 [G, D]
 buffer that XLA sums: deterministic, no atomics, no read-modify-write through memory.
@@ -64,16 +65,19 @@ def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_ite
         mask = rmask[:, None] & cmask[None, :]
         rstd = C.load(rstd_ref, rows, rmask)[:, None]
         mean = C.load(mean_ref, rows, rmask)[:, None] if centered else 0.0
-        dy = C.load_tile(dy_ref, rows, cols, mask)
-        xhat = (C.load_tile(x_ref, rows, cols, mask) - mean) * rstd
-        wdy = (w_hoisted if n_chunks == 1 else w_chunk()) * dy
-        sums = (jnp.sum(xhat * wdy, axis=1),) + ((jnp.sum(wdy, axis=1),) if centered else ())
         if n_chunks > 1:
-            def other(k, s):
+            # Every chunk's sums first (module docstring), starting with the program's own.
+            def every(k, s):
                 jj = C.imod(j + k, n_chunks)
                 return tuple(a + b for a, b in zip(s, chunk_sums(rows, rmask, mean, rstd, jj)))
 
-            sums = jax.lax.fori_loop(1, n_chunks, other, sums)
+            z = jnp.zeros((t.block_rows,), jnp.float32)
+            sums = jax.lax.fori_loop(0, n_chunks, every, (z, z) if centered else (z,))
+        dy = C.load_tile(dy_ref, rows, cols, mask)
+        xhat = (C.load_tile(x_ref, rows, cols, mask) - mean) * rstd
+        wdy = (w_hoisted if n_chunks == 1 else w_chunk()) * dy
+        if n_chunks == 1:
+            sums = (jnp.sum(xhat * wdy, axis=1),) + ((jnp.sum(wdy, axis=1),) if centered else ())
         corr = xhat * (sums[0][:, None] * inv_d) + (sums[1][:, None] * inv_d if centered else 0.0)
         C.store_tile(dx_ref, rows, cols, (wdy - corr) * rstd, mask)
         dw = acc[0] + jnp.sum(dy * xhat, axis=0)
@@ -109,7 +113,8 @@ def norm_bwd(x, w, dy, mean, rstd, *, offset: float = 0.0, interpret: bool = Fal
     outs = C.call(
         kernel, name=name, grid=(n_chunks, G), out_shape=out_shape, interpret=interpret,
         num_warps=t.num_warps, num_stages=cfg.num_stages, flops=(8 + 4 * n_chunks) * R * D,
-        bytes_accessed=C.nbytes(*inputs) + C.nbytes(x) * n_chunks + C.nbytes(dy) * (n_chunks - 1)
+        # inputs, dx, and with chunks each chunk's x and dy read n_chunks more times (L2).
+        bytes_accessed=C.nbytes(*inputs) + C.nbytes(x) + C.nbytes(x, dy) * (n_chunks if n_chunks > 1 else 0)
         + 4 * G * D * len(out_shape[1:]),
     )(*inputs)
     dx, dw = outs[0], outs[1].sum(axis=0)
