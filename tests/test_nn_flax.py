@@ -475,9 +475,16 @@ def test_dropout_modules_flax_keys_jaxbwd_masks(impl):
     chex.assert_trees_all_equal(lin.apply({}, x, False, rngs={"dropout": k}), jaxbwd.dropout(x, 0.3, rng=drawn))
     g = jax.grad(lambda x: jnp.sum(lin.apply({}, x, False, rng=k) * x))(x)
     np.testing.assert_array_equal(np.asarray(g == 0), np.asarray(want == 0))
-    for kw, call in [({"broadcast_dims": (0,)}, (x, False)), ({}, (x, True)), ({"rate": 1.0}, (x, False)), ({"rate": 0.0}, (x, False))]:
+    for kw, call in [({"broadcast_dims": (0,)}, (x, False)), ({}, (x, True)), ({"rate": 1.0}, (x, False)), ({"rate": 0.0}, (x, False)),
+                     ({"deterministic": True}, (x,)), ({"deterministic": False, "broadcast_dims": (0,)}, (x,)),
+                     ({"deterministic": False, "rate": 1.0}, (x,))]:
         rate = kw.pop("rate", 0.3)
         chex.assert_trees_all_equal(jnn.Dropout(rate, **kw).apply({}, *call, rng=k), fnn.Dropout(rate, **kw).apply({}, *call, rng=k))
+    # deterministic in the constructor (flax's usual eval setup) and the kernel path from it;
+    # given in both places, flax's error.
+    chex.assert_trees_all_equal(jnn.Dropout(0.3, deterministic=False, implementation=impl).apply({}, x, rng=k), want)
+    with pytest.raises(ValueError, match="passed to the constructor and at call time"):
+        jnn.Dropout(0.3, deterministic=True).apply({}, x, True, rng=k)
 
     ours = jnnx.Dropout(0.3, rngs=nnx.Rngs(dropout=5), implementation=impl)
     theirs = nnx.Dropout(0.3, rngs=nnx.Rngs(dropout=5))

@@ -352,8 +352,10 @@ class Dropout(fnn.Dropout):
 
     @fnn.compact
     def __call__(self, inputs, deterministic: Optional[bool] = None, rng: Optional[jax.Array] = None):
-        deterministic = fnn.module.merge_param("deterministic", self.deterministic, deterministic)
-        if deterministic or not K.dropout_covered(inputs, self.rate, self.broadcast_dims):
+        # flax's own call is given the call-time argument unmerged: it merges it with the
+        # field itself (and rejects a value given in both places).
+        merged = fnn.module.merge_param("deterministic", self.deterministic, deterministic)
+        if merged or not K.dropout_covered(inputs, self.rate, self.broadcast_dims):
             return super().__call__(inputs, deterministic, rng)
         if rng is None:
             rng = self.make_rng(self.rng_collection)
