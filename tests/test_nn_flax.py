@@ -591,7 +591,7 @@ def test_lm1b_style_model_swapped_gives_flax_loss_and_grads(dtype, impl):
 
 # ------------------------------------------------------------------------ attention
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", ["self", "features", "enc_dec", "causal", "bf16", "dropout", "sow"])
+@pytest.mark.parametrize("case", ["self", "features", "enc_dec", "causal", "bf16", "bf16-fp32-softmax", "dropout", "sow"])
 def test_linen_mhdpa_matches_flax(case, impl):
     x = _rand((2, 6, 16))
     kw, call, kernel = {"num_heads": 4}, {}, True
@@ -605,6 +605,8 @@ def test_linen_mhdpa_matches_flax(case, impl):
         kernel = False
     elif case == "bf16":
         kw.update(dtype=jnp.bfloat16)
+    elif case == "bf16-fp32-softmax":  # flax's float32 weights promote the result to float32
+        kw.update(dtype=jnp.bfloat16, force_fp32_for_softmax=True)
     elif case == "dropout":  # active dropout: flax's own function (same rng, same result)
         kw.update(dropout_rate=0.5, deterministic=False)
         kernel = False
@@ -622,12 +624,45 @@ def test_linen_mhdpa_matches_flax(case, impl):
     y, want = f(ours)(p, *args), f(theirs)(p, *args)
     assert y.dtype == want.dtype
     # bf16: flax's softmax runs in bf16 without force_fp32_for_softmax, jaxbwd's in f32.
-    tol = dict(atol=5e-2, rtol=5e-2) if case == "bf16" else _tol(want)
+    tol = dict(atol=5e-2, rtol=5e-2) if case.startswith("bf16") else _tol(want)
     chex.assert_trees_all_close(y, want, **tol)
     loss = lambda mod: lambda p, *a: jnp.sum(jnp.sin(f(mod)(p, *a).astype(jnp.float32)))
     chex.assert_trees_all_close(jax.grad(loss(ours), argnums=(0, 1))(p, *args),
                                 jax.grad(loss(theirs), argnums=(0, 1))(p, *args), **tol)
     assert _uses_jaxbwd(f(ours), p, *args) == kernel
+
+
+def test_linen_attention_fn_shapes_flax_takes_or_rejects():
+    q, k = _rand((1, 3, 2, 4)), _rand((1, 5, 2, 4), seed=1)
+    v6 = _rand((1, 5, 2, 6), seed=2)  # another value depth: flax's function runs
+    chex.assert_trees_all_close(jnn.dot_product_attention(q, k, v6), fnn.dot_product_attention(q, k, v6), atol=1e-6)
+    with pytest.raises(AssertionError, match="num_heads must match"):  # flax's check: no GQA here
+        jnn.dot_product_attention(q, k[:, :, :1], k[:, :, :1])
+
+
+def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
+    """Configurations the ops do not take run flax's code: complex inputs (flax normalises
+    and multiplies complex arrays), BatchNorm momentum outside [0, 1]; RMSNorm's
+    weight_offset applies to a scale parameter only (none with use_scale=False)."""
+    xc = (_rand((2, 3, 8)) + 1j * _rand((2, 3, 8), seed=1)).astype(jnp.complex64)
+    for name, kw in [("LayerNorm", {}), ("RMSNorm", {}), ("Dense", {"features": 3}), ("GroupNorm", {"num_groups": 2}),
+                     ("Conv", {"features": 3, "kernel_size": (2,)}), ("BatchNorm", {"use_running_average": False})]:
+        ours, theirs = getattr(jnn, name)(**kw), getattr(fnn, name)(**kw)
+        p = theirs.init(jax.random.PRNGKey(1), xc)
+        chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(1), xc), p)
+        apply = lambda m: m.apply(p, xc, mutable=["batch_stats"])[0] if name == "BatchNorm" else m.apply(p, xc)
+        chex.assert_trees_all_close(apply(ours), apply(theirs), atol=1e-6)
+    rngs = lambda: nnx.Rngs(0)  # noqa: E731
+    for name, args in [("LayerNorm", (8,)), ("RMSNorm", (8,)), ("Linear", (8, 3)), ("GroupNorm", (8, 2)),
+                       ("Conv", (8, 3, (2,))), ("BatchNorm", (8,))]:
+        chex.assert_trees_all_close(getattr(jnnx, name)(*args, rngs=rngs())(xc), getattr(nnx, name)(*args, rngs=rngs())(xc),
+                                    atol=1e-6)
+    x = _rand((4, 3, 8))
+    bn = lambda m: m.apply(m.init(jax.random.PRNGKey(1), x), x, mutable=["batch_stats"])  # noqa: E731
+    chex.assert_trees_all_close(bn(jnn.BatchNorm(use_running_average=False, momentum=1.5)),
+                                bn(fnn.BatchNorm(use_running_average=False, momentum=1.5)), atol=1e-5)
+    rms = jnn.RMSNorm(use_scale=False, weight_offset=1.0)
+    chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
 
 
 def test_linen_attention_fn_signature_is_flax():

@@ -38,11 +38,19 @@ def compute_dtype(out_dtype, *arrays):
     return jnp.promote_types(dt, out_dtype) if out_dtype is not None else dt
 
 
+def real(*xs) -> bool:
+    """No complex array or dtype among ``xs`` (None skipped). jaxbwd's ops take real inputs;
+    flax's modules take complex ones too, so a complex call runs flax's code."""
+    return not any(x is not None and jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in xs)
+
+
 def rms_norm(x, scale, *, eps, weight_offset, out_dtype, impl):
-    """x [..., D] normalised over D; scale [D] or None (flax's ``use_scale=False``)."""
+    """x [..., D] normalised over D; scale [D] or None (flax's ``use_scale=False``: no scaling,
+    so ``weight_offset``, an offset of the scale parameter, does not apply)."""
     ct = compute_dtype(out_dtype, x, scale)
     w = jnp.ones((x.shape[-1],), ct) if scale is None else scale.astype(ct)
-    y = jaxbwd.rms_norm(x.astype(ct), w, eps=eps, weight_offset=weight_offset, implementation=impl)
+    offset = 0.0 if scale is None else weight_offset
+    y = jaxbwd.rms_norm(x.astype(ct), w, eps=eps, weight_offset=offset, implementation=impl)
     return y.astype(out_dtype if out_dtype is not None else ct)
 
 

@@ -54,7 +54,8 @@ class RMSNorm(fnn.RMSNorm):
     implementation: Optional[str] = None
 
     def _covered(self, x, mask) -> bool:
-        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+        return (_plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+                and K.real(x, self.param_dtype, self.dtype))
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
@@ -85,7 +86,8 @@ class LayerNorm(fnn.LayerNorm):
     implementation: Optional[str] = None
 
     def _covered(self, x, mask) -> bool:
-        return _plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+        return (_plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+                and K.real(x, self.param_dtype, self.dtype))
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
@@ -149,7 +151,7 @@ class Dense(fnn.Dense):
     @fnn.compact
     def __call__(self, inputs):
         if (self.precision is not None or self.dot_general is not None or self.dot_general_cls is not None
-                or jnp.ndim(inputs) == 0):
+                or jnp.ndim(inputs) == 0 or not K.real(inputs, self.param_dtype, self.dtype)):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
@@ -170,21 +172,32 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     sown weights) and there is at most one batch dim: with no ``bias``/``mask`` on the flash
     kernels, with a dense ``bias``/``mask`` (flax's usual causal/padding masks) on the
     op's dense XLA path. Masked logits and fully masked rows follow flax (a uniform softmax
-    over the row). The softmax is always float32 (flax's ``force_fp32_for_softmax=True``
-    behaviour; both settings take this path). Anything else runs flax's own function.
+    over the row). The softmax is always float32; with ``force_fp32_for_softmax=True`` and
+    non-float32 inputs the result is promoted with float32, as flax's (whose float32 weights
+    promote the product with v). q, k and v must share heads and depth (flax also takes
+    another value depth: its code runs then). Anything else runs flax's own function.
     Source: Vaswani et al. (2017).
     """
     query, key, value = fnn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     covered = ((dropout_rate == 0.0 or deterministic) and precision is None and einsum_dot_general is None
                and qk_attn_weights_einsum is None and attn_weights_value_einsum is None and module is None
-               and query.ndim in (3, 4) and key.ndim == query.ndim and value.ndim == query.ndim)
+               and query.ndim in (3, 4) and key.ndim == query.ndim and value.ndim == query.ndim
+               # flax's shapes: equal heads (flax asserts it), one depth for q, k and v (flax
+               # also takes another value depth), keys and values of one length.
+               and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]
+               and query.shape[-2] == key.shape[-2] == value.shape[-2] and key.shape[-3] == value.shape[-3]
+               and query.shape[-1] == key.shape[-1] == value.shape[-1] and K.real(query))
     if not covered:
         return fnn.dot_product_attention(
             query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
             precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
             attn_weights_value_einsum)
     # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
-    return jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
+    out = jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
+    if force_fp32_for_softmax and query.dtype != jnp.float32:
+        # flax multiplies its float32 weights into v: the result is promoted with float32.
+        out = out.astype(jnp.promote_types(jnp.float32, value.dtype))
+    return out
 
 
 class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
@@ -280,7 +293,8 @@ class GroupNorm(fnn.GroupNorm):
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         _check_activation("GroupNorm", self.activation)
         g = self._groups(x.shape[-1]) if x.ndim else None
-        if not (_plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)):
+        if not (_plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)
+                and K.real(x, self.param_dtype, self.dtype)):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         c = x.shape[-1]
@@ -309,7 +323,8 @@ class BatchNorm(fnn.BatchNorm):
     @fnn.compact
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         if not (isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
-                and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2):
+                and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2
+                and 0 <= self.momentum <= 1 and K.real(x, self.param_dtype, self.dtype)):
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = fnn.module.merge_param("use_running_average", self.use_running_average, use_running_average)
         c = x.shape[self.axis]
@@ -389,7 +404,7 @@ class Conv(fnn.Conv):
         spatial = jnp.shape(inputs)[-len(ks) - 1:-1]
         if not (K.conv_covered(ks, self.padding, self.input_dilation, spatial) and self.precision is None
                 and self.conv_general_dilated is None and self.conv_general_dilated_cls is None
-                and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0
+                and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and K.real(inputs, self.param_dtype, self.dtype)
                 and (self.mask is None or self.mask.shape == kernel_shape)):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)

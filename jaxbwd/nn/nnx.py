@@ -47,7 +47,8 @@ class RMSNorm(nnx.RMSNorm, _Impl):
 
     def __call__(self, x, mask: Optional[jax.Array] = None):
         if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)):
+                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+                and K.real(x, self.dtype, _value(self.scale))):
             return super().__call__(x, mask=mask)
         x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale) if a is not None])
@@ -68,7 +69,8 @@ class LayerNorm(nnx.LayerNorm, _Impl):
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)):
+                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
+                and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, mask=mask)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
@@ -91,7 +93,7 @@ class Linear(nnx.Linear, _Impl):
     def __call__(self, inputs, out_sharding=None):
         if (out_sharding is not None or self.precision is not None or self.dot_general is not jax.lax.dot_general
                 or getattr(self, "dot_general_cls", None) is not None or self.preferred_element_type is not None
-                or jnp.ndim(inputs) == 0):
+                or jnp.ndim(inputs) == 0 or not K.real(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
         inputs, kernel, bias = self.promote_dtype((inputs, _value(self.kernel), _value(self.bias)), dtype=self.dtype)
         return K.dense(inputs, kernel, bias, self.implementation)
@@ -151,7 +153,8 @@ class GroupNorm(nnx.GroupNorm, _Impl):
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.group_norm_covered(x, self.reduction_axes, self.num_groups)):
+                and K.group_norm_covered(x, self.reduction_axes, self.num_groups)
+                and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
@@ -180,7 +183,8 @@ class Conv(nnx.Conv, _Impl):
         if not (out_sharding is None and K.conv_covered(ks, self.padding, self.input_dilation, spatial)
                 and self.precision is None and self.conv_general_dilated is jax.lax.conv_general_dilated
                 and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
-                and (self.mask is None or self.mask.shape == self.kernel_shape)):
+                and (self.mask is None or self.mask.shape == self.kernel_shape)
+                and K.real(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
         kernel = _value(self.kernel)
         if self.mask is not None:
@@ -337,7 +341,7 @@ class BatchNorm(nnx.BatchNorm, _Impl):
         static = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         if not (use_ra is not None and isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
                 and static(self.epsilon) and self.epsilon > 0 and static(self.momentum) and 0 <= self.momentum <= 1
-                and jnp.ndim(x) >= 2):
+                and jnp.ndim(x) >= 2 and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, use_running_average, mask=mask)
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)
