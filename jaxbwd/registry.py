@@ -168,6 +168,7 @@ def _norm_bad(fn_args):
         BadInput("weight length", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((7,), f32)), {}), ValueError, r"weight must have shape \(8,\).*got \(7,\)"),
         BadInput("integer x", lambda: (fn_args(jnp.ones((4, 8), jnp.int32), jnp.ones((8,), f32)), {}), TypeError, r"x must have a floating dtype.*got int32"),
         BadInput("eps <= 0", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
+        BadInput("string eps", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": "1e-6"}), TypeError, r"eps must be a real Python number, got '1e-6'"),
         BadInput("implementation", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"implementation": "cuda"}), ValueError, r"implementation must be None, 'pallas' or 'xla', got 'cuda'"),
     )
 
@@ -205,6 +206,7 @@ _SPECS: list[OpSpec] = [
         lowering=_unary_lowering(),
         bad_inputs=(
             BadInput("axis", lambda: ((jnp.ones((4, 8)),), {"axis": 2}), ValueError, r"axis"),
+            BadInput("empty axis", lambda: ((jnp.ones((4, 0)),), {}), ValueError, r"x must have a non-empty softmax axis 1, got shape \(4, 0\)"),
             BadInput("integer x", lambda: ((jnp.ones((4, 8), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),
         ),
         residual_budget=lambda x, **_: _nbytes(x),  # y only
@@ -453,6 +455,7 @@ _SPECS: list[OpSpec] = [
             BadInput("float ids", lambda: ((jnp.zeros((4,)), jnp.ones((8, 3))), {}), TypeError, r"ids must have an integer dtype.*got float32"),
             BadInput("integer table", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 3), jnp.int32)), {}), TypeError, r"table must have a floating dtype.*got int32"),
             BadInput("table rank", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8,))), {}), ValueError, r"table must have rank 2 \(\[V, D\]\), got shape \(8,\)"),
+            BadInput("empty D", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 0))), {}), ValueError, r"table must have a non-empty feature axis D, got shape \(8, 0\)"),
             BadInput("padding_idx", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 3))), {"padding_idx": 8}), ValueError, r"padding_idx must be in \[-8, 8\).*got 8"),
         ),
         residual_budget=lambda ids, table, **_: _nbytes(ids),
@@ -485,6 +488,8 @@ _SPECS: list[OpSpec] = [
         bad_inputs=(
             BadInput("rank", lambda: ((jnp.ones((2, 3, 8)),), {}), ValueError, r"x must have rank 4 \(\[B, T, N, H\]\), got shape \(2, 3, 8\)"),
             BadInput("odd H", lambda: ((jnp.ones((1, 3, 2, 7)),), {}), ValueError, r"head dimension H must be even, got shape \(1, 3, 2, 7\)"),
+            BadInput("empty H", lambda: ((jnp.ones((1, 3, 2, 0)),), {}), ValueError, r"x must have a non-empty head dim H, got shape \(1, 3, 2, 0\)"),
+            BadInput("string theta", lambda: ((jnp.ones((1, 3, 2, 8)),), {"theta": "1e4"}), TypeError, r"theta must be a real Python number, got '1e4'"),
             BadInput("positions shape", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((4,), jnp.int32)}), ValueError, r"positions must have shape \(3,\) or \(2, 3\).*got \(4,\)"),
             BadInput("bool positions", lambda: ((jnp.ones((2, 3, 1, 8)),), {"positions": jnp.zeros((3,), bool)}), TypeError, r"positions must have an integer or floating dtype, got bool"),
             BadInput("scale_factor", lambda: ((jnp.ones((2, 3, 1, 8)),), {"scale_factor": -2.0}), ValueError, r"scale_factor must be a positive number, got -2.0"),
@@ -656,6 +661,7 @@ _SPECS: list[OpSpec] = [
             BadInput("w channels", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"groups": 2}), ValueError, r"w must have shape \[kh, kw, Cin/groups=2, Cout\], got \(3, 3, 4, 8\)"),
             BadInput("groups", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 1, 6))), {"groups": 3}), ValueError, r"groups must divide x's channel count Cin=4, got groups=3"),
             BadInput("stride", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"stride": 0}), ValueError, r"stride must be an int >= 1, got 0"),
+            BadInput("empty kernel", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((0, 3, 4, 8))), {}), ValueError, r"w must have a non-empty kernel height kh, got shape \(0, 3, 4, 8\)"),
             BadInput("padding", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"padding": "FULL"}), ValueError, r"padding must be 'SAME', 'VALID'.*got 'FULL'"),
             BadInput("x rank", lambda: ((jnp.ones((8, 8, 4)), jnp.ones((3, 3, 4, 8))), {}), ValueError, r"x must have rank 4.*got shape \(8, 8, 4\)"),
             BadInput("integer x", lambda: ((jnp.ones((1, 8, 8, 4), jnp.int32), jnp.ones((3, 3, 4, 8))), {}), TypeError, r"x must have a floating dtype"),
@@ -769,6 +775,8 @@ _SPECS += [
             BadInput("weight length", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((5,)), jnp.ones((6,))), {}), ValueError, r"weight must have shape \(6,\).*got \(5,\)"),
             BadInput("rank-1 x", lambda: ((jnp.ones((6,)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"x must have rank >= 2.*got shape \(6,\)"),
             BadInput("one running stat", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"running_mean": jnp.zeros((6,))}), ValueError, r"give both running_mean and running_var or neither"),
+            BadInput("empty batch", lambda: ((jnp.ones((0, 6)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"training=True needs at least one element per channel.*got x of shape \(0, 6\)"),
+            BadInput("no channels", lambda: ((jnp.ones((2, 0)), jnp.ones((0,)), jnp.ones((0,))), {}), ValueError, r"x must have a non-empty channel axis 1, got shape \(2, 0\)"),
             BadInput("eval without stats", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"training": False}), ValueError, r"training=False normalises with running_mean and running_var; got None"),
             BadInput("momentum", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"momentum": 1.5}), ValueError, r"momentum must be in \[0, 1\], got 1.5"),
             BadInput("eps", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
@@ -826,6 +834,8 @@ _SPECS += [
         bad_inputs=(
             BadInput("output_size", lambda: ((jnp.ones((1, 4, 4, 3)), (2, 0)), {}), ValueError, r"output_size must be an int >= 1 or a pair of them, got \(2, 0\)"),
             BadInput("rank", lambda: ((jnp.ones((4, 4, 3)), 2), {}), ValueError, r"x must have rank 4"),
+            BadInput("empty H", lambda: ((jnp.ones((1, 0, 4, 3)), 2), {}), ValueError, r"x must have a non-empty height H, got shape \(1, 0, 4, 3\)"),
+            BadInput("no output_size", lambda: ((jnp.ones((1, 4, 4, 3)), None), {}), ValueError, r"output_size must be an int >= 1 or a pair of them, got None"),
         ),
         # the two f32 averaging matrices (constants autodiff keeps)
         residual_budget=lambda x, size, **_: 4 * (x.shape[1] + x.shape[2]) * 8,

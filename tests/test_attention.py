@@ -300,7 +300,24 @@ BAD = [
      r"q must have a floating dtype"),
     ("mixed dtypes", lambda: (jnp.ones((1, 8, 4, 16), jnp.bfloat16),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, TypeError,
      r"q, k, v must share one dtype"),
+    ("empty head dim", lambda: (jnp.ones((1, 8, 4, 0)),) + (jnp.ones((1, 8, 2, 0)),) * 2, {}, ValueError,
+     r"q must have a non-empty head dim H, got shape \(1, 8, 4, 0\)"),
 ]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_windows_and_lengths_past_int32_mean_no_limit(impl):
+    # A window wider than any query-key distance (the natural "no limit") and key lengths
+    # past the sequence, up to and beyond int32 (64-bit with x64): the unwindowed result.
+    q, k, v, _ = _inputs(1, 12, 12, 2, 1, 16, "float32")
+    run = lambda **kw: dot_product_attention(q, k, v, implementation=impl, **kw)  # noqa: E731
+    full, causal = run(), run(is_causal=True)
+    for kw, want in [({"local_window_size": 2**31 - 1}, full), ({"local_window_size": (2**31 - 1, 0), "is_causal": True}, causal),
+                     ({"local_window_size": (2**31 - 1, 3)}, run(local_window_size=(12, 3))), ({"sliding_window": 2**40}, full)]:
+        _close(run(**kw), want, TOL["float32"])
+    with jax.enable_x64(True):
+        got = dot_product_attention(q, k, v, key_value_seq_lengths=jnp.array([2**32 + 1], jnp.int64), implementation=impl)
+    _close(got, full, TOL["float32"])
 
 
 @pytest.mark.parametrize("name,make,kw,error,match", BAD, ids=[b[0] for b in BAD])

@@ -120,6 +120,20 @@ def test_numerical_grads_float64_xla(spec):
         check_grads(f, [args[i] for i in spec.diff_argnums], order=spec.check_grads_order, modes=("rev",), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.has_kernels], ids=lambda s: s.name)
+def test_kernels_trace_under_x64(spec):
+    """With ``jax_enable_x64`` the kernels' index arithmetic stays int32 (a Python int mixed
+    into ``lax.div`` became int64 there and failed to trace): forward and backward of the
+    first example, float32 inputs, lowered with the kernel bodies traced (interpret mode)."""
+    with jax.enable_x64(True):
+        args, kwargs = _setup(spec, spec.examples[0], "float32")
+        diff = [args[i] for i in spec.diff_argnums]
+        f = _closure(spec.fn, spec, args, kwargs, "pallas")
+        ct = _cotangent(jax.eval_shape(f, *diff))
+        with config.use(interpret=True):
+            jax.jit(lambda *d: jax.vjp(f, *d)[1](ct)).lower(*diff)
+
+
 def _batched(spec, ex, dt, n=3):
     """n examples stacked along a new leading axis for ``batch_argnums``; others shared."""
     per = [_setup(spec, ex, dt, seed=i)[0] for i in range(n)]

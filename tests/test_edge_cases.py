@@ -66,6 +66,20 @@ def test_invalid_edge_inputs_raise(call, error, match):
         call()
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_64bit_labels_past_int32_are_out_of_range(impl):
+    # With x64, labels are checked against [0, V) before their cast to int32: 2**32 + 1 is
+    # ignored (an out-of-range label, the documented policy), not read as label 1.
+    with jax.enable_x64(True):
+        logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5), f32)
+        labels = jnp.array([2**32 + 1, 1], jnp.int64)
+        loss = jaxbwd.cross_entropy(logits, labels, reduction="none", implementation=impl)
+        np.testing.assert_allclose(np.asarray(loss), [0.0, float(jax.nn.logsumexp(logits[1]) - logits[1, 1])], rtol=1e-6)
+        x, w = jnp.ones((2, 3), f32), jax.random.normal(jax.random.PRNGKey(1), (3, 5), f32)
+        lce = jaxbwd.linear_cross_entropy(x, w, labels, reduction="none", implementation=impl)
+        assert float(lce[0]) == 0.0 and float(lce[1]) > 0.0
+
+
 def test_row_slice_concrete_array_start_is_range_checked():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
         jaxbwd.row_slice(jnp.ones((4, 3)), jnp.int32(3), 2)

@@ -122,7 +122,7 @@ def _blocks(d: Dims, kind: str, dtype=jnp.bfloat16):
 
 
 def _cdiv_traced(x, n: int):
-    return lax.div(x + (n - 1), n)
+    return C.idiv(x + (n - 1), n)
 
 
 def _kv_range(d: Dims, r0, bq: int, bk: int):
@@ -134,7 +134,7 @@ def _kv_range(d: Dims, r0, bq: int, bk: int):
         hi_col = jnp.minimum(d.S, r0 + bq - 1 + d.window)
     lo = 0
     if d.window is not None:
-        lo = lax.div(jnp.maximum(0, r0 - d.window + 1), bk)
+        lo = C.idiv(jnp.maximum(0, r0 - d.window + 1), bk)
     return lo, _cdiv_traced(hi_col, bk) if not isinstance(hi_col, int) else C.cdiv(hi_col, bk)
 
 
@@ -142,9 +142,9 @@ def _q_range(d: Dims, c0, bq: int, bk: int):
     """Query blocks [lo, hi) whose rows may see keys [c0, c0 + bk)."""
     lo = 0
     if d.causal:
-        lo = lax.div(jnp.minimum(c0, d.T), bq)
+        lo = C.idiv(jnp.minimum(c0, d.T), bq)
     elif d.window is not None:
-        lo = lax.div(jnp.maximum(0, c0 - d.window + 1), bq)
+        lo = C.idiv(jnp.maximum(0, c0 - d.window + 1), bq)
     if d.window is not None:
         hi = _cdiv_traced(jnp.minimum(d.T, c0 + bk - 1 + d.window), bq)
     else:
@@ -161,7 +161,7 @@ def _unmasked_kv_end(d: Dims, r0, bq: int, bk: int, lo, hi):
         return lo
     m = d.S // bk
     if d.causal:
-        m = jnp.minimum(m, lax.div(r0 + 1, bk))
+        m = jnp.minimum(m, C.idiv(r0 + 1, bk))
     return jnp.maximum(lo, jnp.minimum(hi, m))
 
 

@@ -244,8 +244,9 @@ def _dgrad_kernel(dy_ref, w_ref, dx_ref, *, geo: ConvGeometry, BM: int, BI: int,
         if geo.sw == 1 and geo.sh == 1:  # static tap grid: static divisors
             a, b = C.idiv(ta, geo.KW), C.imod(ta, geo.KW)
         else:
-            a = a0 + lax.div(ta, nb) * step_h
-            b = b0 + lax.rem(ta, nb) * step_w
+            nb_ = nb.astype(ta.dtype)  # a traced divisor; the loop index's int32 under x64 too
+            a = a0 + lax.div(ta, nb_) * step_h
+            b = b0 + lax.rem(ta, nb_) * step_w
         hp = h + geo.pt - a * geo.dh
         wp = w + geo.pl - b * geo.dw
         p = C.idiv(hp + off_h, geo.sh) - off_h // geo.sh

@@ -347,7 +347,7 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_r
         lax.fori_loop(0, nd, write, 0)
         return carry
 
-    lax.fori_loop(0, lax.div(C.cdiv(d.V, bv) - g + (G - 1), G), vocab_block, 0)
+    lax.fori_loop(0, C.idiv(C.cdiv(d.V, bv) - g + (G - 1), G), vocab_block, 0)
 
 
 def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: bool = False):

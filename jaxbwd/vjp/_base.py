@@ -107,9 +107,9 @@ def check_shape(op: str, name: str, x: Any, expected: Sequence[int], what: str =
 
 
 def check_positive(op: str, name: str, value: Any) -> None:
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python number, got a traced value")
-    if not np.isscalar(value) or isinstance(value, (bool, np.bool_)) or not value > 0:
+    """A static, finite number > 0 (a TypeError for a string, bool, array or traced value)."""
+    v = check_static_number(op, name, value)
+    if not (v > 0 and math.isfinite(v)):
         raise ValueError(f"jaxbwd.{op}: {name} must be a positive number, got {value!r}")
 
 

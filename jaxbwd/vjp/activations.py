@@ -510,6 +510,8 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
             raise ValueError(f"jaxbwd.softmax: axis must name distinct axes, got {axis!r}")
     else:
         axes = (_axis(op, x, axis),)
+    for a in axes:
+        B.check_nonempty_axis(op, "x", x, a, f"softmax axis {a}")
     impl = B.impl(implementation, op, x)
     if where is not None:
         x = B.apply_where(op, "x", x, where)

@@ -270,6 +270,7 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     B.check_ndim(OP, "k", k, ndim=4, what="([B, S, K, H])")
     S, K = k.shape[1], k.shape[2]
     B.check_nonempty_axis(OP, "k", k, 1, "key axis S")
+    B.check_nonempty_axis(OP, "q", q, 3, "head dim H")
     if k.shape[0] != Bsz or k.shape[3] != H:
         raise ValueError(
             f"jaxbwd.{OP}: k must have shape [B={Bsz}, S, K, H={H}] (q's batch and head dim), "
@@ -316,7 +317,7 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
             raise TypeError(f"jaxbwd.{OP}: sliding_window must be a positive int, got {sliding_window!r}")
         if sliding_window <= 0:
             raise ValueError(f"jaxbwd.{OP}: sliding_window must be a positive int, got {sliding_window!r}")
-        window = int(sliding_window)
+        window = min(int(sliding_window), T + S)  # wider than any distance: no limit, int32-safe
     softcap = None
     if logit_softcap is not None:
         B.check_positive(OP, "logit_softcap", logit_softcap)
@@ -341,12 +342,13 @@ def _check_dense(name, x, shape):
     raise ValueError(f"jaxbwd.{OP}: {name} must broadcast to [B, N, T, S] = {tuple(shape)}, got {tuple(x.shape)}")
 
 
-def _check_lengths(name, x, Bsz):
+def _check_lengths(name, x, Bsz, n):
+    """int32 lengths clipped to [0, n] before the cast (64-bit lengths past int32 do not wrap)."""
     if x is None:
         return None
     B.check_int(OP, name, x)
     B.check_shape(OP, name, x, (Bsz,), what="([B])")
-    return x.astype(jnp.int32)
+    return jnp.clip(x, 0, n).astype(jnp.int32)
 
 
 def _local_window(local_window_size):
@@ -492,8 +494,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     )
     Bsz, T, N, _ = q.shape
     Skv = k.shape[1]
-    qlen = _check_lengths("query_seq_lengths", query_seq_lengths, Bsz)
-    kvlen = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, Bsz)
+    qlen = _check_lengths("query_seq_lengths", query_seq_lengths, Bsz, T)
+    kvlen = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, Bsz, Skv)
     dense = bias is not None or mask is not None
     if bias is not None:
         bias = _expand4("bias", bias)
@@ -506,6 +508,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         _check_dense("mask", mask, (Bsz, N, T, Skv))
     kcausal = causal
     if lr is not None:
+        # A window past every query-key distance is no limit: clipped so int32 masks hold it.
+        lr = tuple(min(x, T + Skv) for x in lr)
         left, right = lr
         if causal or right == 0:
             kcausal, window = True, left + 1

@@ -137,6 +137,10 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         raise ValueError(f"jaxbwd.{op}: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}")
     axis = int(axis) % x.ndim
     Cn = x.shape[axis]
+    B.check_nonempty_axis(op, "x", x, axis, f"channel axis {axis}")
+    if training and x.size == 0:
+        raise ValueError(f"jaxbwd.{op}: training=True needs at least one element per channel for the batch "
+                         f"statistics, got x of shape {tuple(x.shape)}")
     for name, v in (("weight", weight), ("bias", bias)):
         B.check_float(op, name, v)
         B.check_shape(op, name, v, (Cn,), what=f"(x's channel count on axis {axis})")

@@ -116,6 +116,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     B.check_float(op, "table", table)
     B.check_ndim(op, "table", table, ndim=2, what="([V, D])")
     B.check_nonempty_axis(op, "table", table, 0, "vocabulary axis V")
+    B.check_nonempty_axis(op, "table", table, 1, "feature axis D")
     V = table.shape[0]
     if padding_idx is not None:
         if isinstance(padding_idx, jax.core.Tracer) or not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):

@@ -40,10 +40,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def _valid_labels(labels, V, ignore_index):
-    """labels -> int32 labels with -1 for ignored and out-of-range rows (the documented policy)."""
-    lab = labels.astype(jnp.int32)
-    ok = (lab >= 0) & (lab < V) & (labels != ignore_index)
-    return jnp.where(ok, lab, -1)
+    """labels -> int32 labels with -1 for ignored and out-of-range rows (the documented policy);
+    the range is checked before the cast, so 64-bit labels past int32 do not wrap into range."""
+    ok = (labels >= 0) & (labels < V) & (labels != ignore_index)
+    return jnp.where(ok, labels, -1).astype(jnp.int32)
 
 
 def _shard_labels(lab, V_local, axes):

@@ -291,7 +291,11 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
     op = "adaptive_avg_pool2d"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C])")
+    if output_size is None:
+        raise ValueError(f"jaxbwd.{op}: output_size must be an int >= 1 or a pair of them, got None")
     oh, ow = _pair(op, "output_size", output_size)
+    B.check_nonempty_axis(op, "x", x, 1, "height H")
+    B.check_nonempty_axis(op, "x", x, 2, "width W")
     B.impl(implementation, op, x)
     ah, aw = _bins(x.shape[1], oh), _bins(x.shape[2], ow)
     cf = jnp.promote_types(x.dtype, jnp.float32)

@@ -41,7 +41,8 @@ def _mse_fwd(p, t, w, reduction, impl):
 
 
 def _scale(reduction, n):
-    return 1.0 / n if reduction == "mean" else 1.0
+    # An empty "mean" is NaN (as jnp.mean) and its gradient is empty: any factor serves.
+    return 1.0 / max(n, 1) if reduction == "mean" else 1.0
 
 
 def _mse_bwd(reduction, impl, res, g):

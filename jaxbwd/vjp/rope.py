@@ -161,6 +161,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     op = "rope"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=4, what="([B, T, N, H])")
+    B.check_nonempty_axis(op, "x", x, 3, "head dim H")
     Bsz, T, N, H = x.shape
     if H % 2:
         raise ValueError(f"jaxbwd.{op}: x's head dimension H must be even, got shape {tuple(x.shape)}")

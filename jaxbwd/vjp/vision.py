@@ -390,6 +390,8 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
     B.check_float(op, "w", w)
     B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, Cin])")
     B.check_ndim(op, "w", w, ndim=4, what="([kh, kw, Cin/groups, Cout])")
+    for a, what in ((0, "kernel height kh"), (1, "kernel width kw"), (2, "input channel axis")):
+        B.check_nonempty_axis(op, "w", w, a, what)
     B.check_same_dtype(op, ("x", "w"), (x, w))
     G = _static_int(op, "groups", groups)
     N, H, W, Cin = x.shape
