@@ -88,11 +88,16 @@ class RowTiling:
         return cdiv(self.n_rows, self.block_rows)
 
 
-def row_tiling(n_rows: int, n_cols: int, *, max_tile: int = MAX_TILE, max_block_rows: int = 64) -> RowTiling:
-    block_cols = min(next_pow2(n_cols), max_tile)
+def row_tiling(n_rows: int, n_cols: int, *, max_tile: int = MAX_TILE, max_block_rows: int = 64,
+               per_thread: int = 32, max_warps: int = 8, least_padded: bool = False) -> RowTiling:
+    """Power-of-two tiles of at most ``max_tile`` elements, ``per_thread`` elements per
+    thread (up to ``max_warps`` warps). The column block is the next power of two of the
+    row (capped), or with ``least_padded`` the one that pads it least (kernels whose
+    per-element work is heavy enough that masked lanes cost)."""
+    block_cols = least_padded_pow2(n_cols, max_tile) if least_padded else min(next_pow2(n_cols), max_tile)
     block_rows = max(1, min(max_tile // block_cols, max_block_rows, next_pow2(n_rows)))
     tile = block_rows * block_cols
-    num_warps = max(1, min(8, tile // 1024))
+    num_warps = max(1, min(max_warps, tile // (32 * per_thread)))
     return RowTiling(n_rows, n_cols, block_rows, block_cols, num_warps)
 
 

@@ -167,12 +167,6 @@ def bilinear_weight(o, h, s: int, n_in: int):
 UPSAMPLE_TILE = 1024
 
 
-def _upsample_tiling(R: int, K: int) -> C.RowTiling:
-    block_cols = C.least_padded_pow2(K, UPSAMPLE_TILE)
-    block_rows = max(1, min(UPSAMPLE_TILE // block_cols, C.next_pow2(R)))
-    return C.RowTiling(R, K, block_rows, block_cols, max(1, min(4, block_rows * block_cols // 256)))
-
-
 def _upsample_bwd_kernel(dy_ref, dx_ref, *, t: C.RowTiling, H: int, W: int, sh: int, sw: int, bilinear: bool):
     rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
     Ho, Wo = H * sh, W * sw
@@ -205,7 +199,8 @@ def upsample2d_bwd(dy, sh: int, sw: int, *, bilinear: bool, interpret: bool = Fa
     N, Ho, Wo, Cc = dy.shape
     H, W = Ho // sh, Wo // sw
     C.check_index_range("upsample2d", pixels=N * Ho * Wo)
-    t = _upsample_tiling(N * H * W, Cc)
+    t = C.row_tiling(N * H * W, Cc, max_tile=UPSAMPLE_TILE, max_block_rows=UPSAMPLE_TILE, per_thread=8,
+                     max_warps=4, least_padded=True)
     n_taps = (len(bilinear_taps(sh)) * len(bilinear_taps(sw))) if bilinear else sh * sw
     dx = C.call(
         functools.partial(_upsample_bwd_kernel, t=t, H=H, W=W, sh=sh, sw=sw, bilinear=bilinear),
