@@ -638,7 +638,7 @@ _SPECS: list[OpSpec] = [
         bad_inputs=(
             BadInput("tokens", lambda: ((jnp.ones((1, 5, 12)),), {"grid": 2, "patch_size": 2, "channels": 3}), ValueError, r"tokens.shape\[1\] must equal gh\*gw=4 for grid=\(2, 2\), got 5"),
             BadInput("channels", lambda: ((jnp.ones((1, 4, 8)),), {"grid": 2, "patch_size": 2, "channels": 3}), ValueError, r"tokens.shape\[2\] must equal patch_size\*\*2 \* channels=12, got 8"),
-            BadInput("patch_size", lambda: ((jnp.ones((1, 4, 12)),), {"grid": 2, "patch_size": 2.0, "channels": 3}), TypeError, r"patch_size must be a Python int, got 2.0"),
+            BadInput("patch_size", lambda: ((jnp.ones((1, 4, 12)),), {"grid": 2, "patch_size": 2.0, "channels": 3}), TypeError, r"patch_size must be a static Python int, got 2.0"),
         ),
         residual_budget=lambda t, **_: 0,
     ),

@@ -1,6 +1,7 @@
 """Empty inputs and other edge cases every op must survive, for both implementations."""
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,11 +60,28 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.cross_entropy(jnp.ones((4, 0)), jnp.zeros((4,), i32)), ValueError, r"cross_entropy: logits must have a non-empty"),
         (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((0, 8))), ValueError, r"embed: table must have a non-empty"),
         (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 0, 2, 8)), jnp.ones((1, 0, 2, 8))), ValueError, r"dot_product_attention: k must have a non-empty"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: q must have a non-empty head axis N"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: k must have a non-empty head axis K"),
+        # Non-finite static numbers would poison every result: rejected by name.
+        (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, scale=float("nan")), ValueError, r"dot_product_attention: scale must be a finite number, got nan"),
+        (lambda: jaxbwd.scale(jnp.ones(3), float("inf")), ValueError, r"scale: factor must be a finite number, got inf"),
+        (lambda: jaxbwd.rms_norm(jnp.ones((4, 8)), jnp.ones((8,)), eps=float("nan")), ValueError, r"rms_norm: eps must be a finite number, got nan"),
+        (lambda: jaxbwd.group_norm(jnp.ones((2, 4, 6)), jnp.ones((6,)), jnp.ones((6,)), num_groups=2.0), TypeError, r"group_norm: num_groups must be a static Python int, got 2.0"),
+        (lambda: jaxbwd.row_slice(jnp.ones((4, 3)), 1, np.float32(2)), TypeError, r"row_slice: size must be a static Python int"),
     ],
 )
 def test_invalid_edge_inputs_raise(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_numpy_integers_are_static_ints():
+    # Shapes computed with NumPy give np.int64: accepted wherever a static int is.
+    x = jnp.arange(24.0).reshape(2, 2, 6)
+    want = jaxbwd.group_norm(x, jnp.ones((6,)), jnp.zeros((6,)), num_groups=3)
+    got = jaxbwd.group_norm(x, jnp.ones((6,)), jnp.zeros((6,)), num_groups=np.int64(3))
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal(jaxbwd.row_slice(x[0], 0, np.int64(1)), x[0, :1])
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

@@ -210,7 +210,7 @@ def test_group_norm_bad_inputs():
         group_norm(x, w, w, num_groups=4)
     with pytest.raises(ValueError, match=r"group_norm: activation must be None or 'silu', got 'gelu'"):
         group_norm(x, w, w, num_groups=2, activation="gelu")
-    with pytest.raises(TypeError, match=r"group_norm: num_groups must be a Python int, got 2.0"):
+    with pytest.raises(TypeError, match=r"group_norm: num_groups must be a static Python int, got 2.0"):
         group_norm(x, w, w, num_groups=2.0)
 
 

@@ -114,11 +114,26 @@ def check_positive(op: str, name: str, value: Any) -> None:
 
 
 def check_static_number(op: str, name: str, value: Any) -> float:
+    """A static, finite real number as a float (NaN or inf would poison every result)."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"jaxbwd.{op}: {name} must be a static Python number, got a traced value")
     if not np.isscalar(value) or isinstance(value, (bool, np.bool_, str)) or np.iscomplexobj(value):
         raise TypeError(f"jaxbwd.{op}: {name} must be a real Python number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"jaxbwd.{op}: {name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None) -> int:
+    """A static integer (Python or NumPy, not bool), at least ``minimum`` when given, as a
+    Python int: TypeError for anything else (a traced value included), ValueError below."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got a traced value")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_same_dtype(op: str, names: Sequence[str], arrays: Sequence[Any]) -> None:

@@ -424,8 +424,7 @@ def glu(x, axis=-1, *, implementation=None):
 
 
 def _axis(op, x, axis) -> int:
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"jaxbwd.{op}: axis must be a Python int, got {axis!r}")
+    axis = B.static_int(op, "axis", axis)
     if not -x.ndim <= int(axis) < x.ndim:
         raise ValueError(
             f"jaxbwd.{op}: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}"

@@ -271,13 +271,15 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     S, K = k.shape[1], k.shape[2]
     B.check_nonempty_axis(OP, "k", k, 1, "key axis S")
     B.check_nonempty_axis(OP, "q", q, 3, "head dim H")
+    B.check_nonempty_axis(OP, "q", q, 2, "head axis N")
+    B.check_nonempty_axis(OP, "k", k, 2, "head axis K")
     if k.shape[0] != Bsz or k.shape[3] != H:
         raise ValueError(
             f"jaxbwd.{OP}: k must have shape [B={Bsz}, S, K, H={H}] (q's batch and head dim), "
             f"got {tuple(k.shape)}"
         )
     B.check_shape(OP, "v", v, k.shape, what="(k's shape [B, S, K, H])")
-    if K == 0 or N % K != 0:
+    if N % K != 0:
         raise ValueError(
             f"jaxbwd.{OP}: q's head count N must be a multiple of k's head count K "
             f"(N % K == 0), got N={N}, K={K}"

@@ -131,8 +131,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
     op = "batch_norm"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, min_ndim=2, what="([N, ..., C])")
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"jaxbwd.{op}: axis must be a Python int, got {axis!r}")
+    axis = B.static_int(op, "axis", axis)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"jaxbwd.{op}: axis must be in [{-x.ndim}, {x.ndim}) for x of shape {tuple(x.shape)}, got {axis}")
     axis = int(axis) % x.ndim

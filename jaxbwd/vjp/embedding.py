@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbwd.pallas import embedding as kernels
 from jaxbwd.vjp import _base as B
@@ -119,8 +118,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     B.check_nonempty_axis(op, "table", table, 1, "feature axis D")
     V = table.shape[0]
     if padding_idx is not None:
-        if isinstance(padding_idx, jax.core.Tracer) or not isinstance(padding_idx, (int, np.integer)) or isinstance(padding_idx, bool):
-            raise TypeError(f"jaxbwd.{op}: padding_idx must be None or a static Python int, got {padding_idx!r}")
+        B.static_int(op, "padding_idx", padding_idx)
         if not -V <= padding_idx < V:
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
         padding_idx = int(padding_idx) % V

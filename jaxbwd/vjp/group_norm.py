@@ -143,8 +143,7 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
     for name, p in (("weight", weight), ("bias", bias)):
         B.check_float(op, name, p)
         B.check_shape(op, name, p, (Cc,), what=f"(x's channel dimension C={Cc})")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
-        raise TypeError(f"jaxbwd.{op}: num_groups must be a Python int, got {num_groups!r}")
+    num_groups = B.static_int(op, "num_groups", num_groups)
     if num_groups <= 0 or Cc % num_groups:
         raise ValueError(
             f"jaxbwd.{op}: num_groups must be a positive divisor of x's channel count C={Cc}, got {num_groups}"

@@ -246,8 +246,7 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
 def check_options(op, ignore_index, label_smoothing, z_loss) -> tuple[int, float, float]:
     """The cross-entropy options shared with ``linear_cross_entropy``, checked: a static int
     ignore_index, label_smoothing in [0, 1] and z_loss >= 0 (static numbers)."""
-    if isinstance(ignore_index, jax.core.Tracer) or not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
-        raise TypeError(f"jaxbwd.{op}: ignore_index must be a static Python int, got {ignore_index!r}")
+    B.static_int(op, "ignore_index", ignore_index)
     eps = B.check_static_number(op, "label_smoothing", label_smoothing)
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")

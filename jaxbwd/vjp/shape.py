@@ -103,8 +103,7 @@ def row_slice(x, start, size, *, implementation=None):
     op = "row_slice"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=2, what="([R, C])")
-    if not isinstance(size, int) or isinstance(size, bool):
-        raise TypeError(f"jaxbwd.row_slice: size must be a static Python int, got {size!r}")
+    size = B.static_int(op, "size", size)
     R = x.shape[0]
     if not 0 <= size <= R:
         raise ValueError(f"jaxbwd.row_slice: size must be in [0, {R}] (x has {R} rows), got {size}")

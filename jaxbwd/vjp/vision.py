@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbwd.pallas import conv as conv_kernels
 from jaxbwd.pallas import vision as kernels
@@ -25,23 +24,13 @@ from jaxbwd import sharding as S
 UPSAMPLE_METHODS = ("nearest", "bilinear")
 
 
-def _static_int(op: str, name: str, value, *, minimum: int = 1) -> int:
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got a traced value")
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a Python int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _int_pair(op: str, name: str, value, *, minimum: int = 1) -> tuple[int, int]:
     """An int or a pair of ints -> (a, b), each >= minimum."""
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             raise ValueError(f"jaxbwd.{op}: {name} must be an int or a pair of ints, got {value!r}")
-        return tuple(_static_int(op, name, v, minimum=minimum) for v in value)
-    v = _static_int(op, name, value, minimum=minimum)
+        return tuple(B.static_int(op, name, v, minimum=minimum) for v in value)
+    v = B.static_int(op, name, value, minimum=minimum)
     return v, v
 
 
@@ -192,7 +181,7 @@ def pixel_shuffle(x, upscale_factor, *, implementation=None):
     op = "pixel_shuffle"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C*r*r])")
-    r = _static_int(op, "upscale_factor", upscale_factor)
+    r = B.static_int(op, "upscale_factor", upscale_factor, minimum=1)
     if x.shape[-1] % (r * r):
         raise ValueError(
             f"jaxbwd.{op}: x's channel count must be divisible by upscale_factor**2={r * r}, got {x.shape[-1]}"
@@ -258,8 +247,8 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
     B.check_float(op, "tokens", tokens)
     B.check_ndim(op, "tokens", tokens, ndim=3, what="([N, gh*gw, p*p*C])")
     gh, gw = _int_pair(op, "grid", grid)
-    p = _static_int(op, "patch_size", patch_size)
-    Cc = _static_int(op, "channels", channels)
+    p = B.static_int(op, "patch_size", patch_size, minimum=1)
+    Cc = B.static_int(op, "channels", channels, minimum=1)
     if tokens.shape[1] != gh * gw:
         raise ValueError(
             f"jaxbwd.{op}: tokens.shape[1] must equal gh*gw={gh * gw} for grid={(gh, gw)}, got {tokens.shape[1]}"
@@ -338,13 +327,13 @@ def _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw):
         if all(isinstance(p, (tuple, list)) for p in padding):
             if not all(len(p) == 2 for p in padding):
                 raise ValueError(f"jaxbwd.{op}: padding must be ((top, bottom), (left, right)), got {padding!r}")
-            pads = tuple(tuple(_static_int(op, "padding", v, minimum=0) for v in p) for p in padding)
+            pads = tuple(tuple(B.static_int(op, "padding", v, minimum=0) for v in p) for p in padding)
             return pads
         ph, pw = _int_pair(op, "padding", padding, minimum=0)
         return ((ph, ph), (pw, pw))
     if isinstance(padding, (tuple, list)):
         raise ValueError(f"jaxbwd.{op}: padding must be an int, a pair, ((top, bottom), (left, right)), 'SAME' or 'VALID', got {padding!r}")
-    p = _static_int(op, "padding", padding, minimum=0)
+    p = B.static_int(op, "padding", padding, minimum=0)
     return ((p, p), (p, p))
 
 
@@ -393,7 +382,7 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
     for a, what in ((0, "kernel height kh"), (1, "kernel width kw"), (2, "input channel axis")):
         B.check_nonempty_axis(op, "w", w, a, what)
     B.check_same_dtype(op, ("x", "w"), (x, w))
-    G = _static_int(op, "groups", groups)
+    G = B.static_int(op, "groups", groups, minimum=1)
     N, H, W, Cin = x.shape
     KH, KW, Cig, Cout = w.shape
     if Cin % G:
