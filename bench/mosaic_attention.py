@@ -1,7 +1,8 @@
 """Attention on Hopper by backend: jaxbwd's Mosaic GPU kernels vs its Triton kernels vs cuDNN
 (``jax.nn.dot_product_attention(implementation="cudnn")``) vs jaxbwd's XLA path.
 
-B=1, N=32 query heads over K=8 kv heads, H=128, bf16, causal, T = S in {4096, 8192}: median
+B=1, bf16, causal, T = S in {4096, 8192}, N=32 query heads over K=8 kv heads at H=128 and
+Gemma 2's N=16 over K=8 at H=256 (where the Mosaic backward splits dk and dv): median
 time of the forward and of forward + backward, TFLOP/s counted as forward 4*B*N*T*S*H/2 and
 the backward as 2.5x the forward (the FlashAttention-2 convention). The Mosaic output and
 gradients are compared with the Triton ones first, so a wrong kernel prints an error, not a
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu" or C.sm_version() != 90:
         print("bench/mosaic_attention.py: needs an sm_90 GPU (Hopper); skipped")
         return 0
-    B, N, K, H = 1, 32, 8, 128
+    B = 1
     impls = {
         "mosaic": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True, implementation="pallas:mosaic"),
         "triton": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True, implementation="pallas:triton"),
@@ -40,8 +41,8 @@ def main(argv=None) -> int:
         "xla": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
     }
     rows = []
-    print(f"attention B={B} N={N} K={K} H={H} bf16 causal, {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for T in (4096, 8192):
+    print(f"attention B={B} bf16 causal, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    for (N, K, H), T in ((nkh, T) for nkh in ((32, 8, 128), (16, 8, 256)) for T in (4096, 8192)):
         ks = jax.random.split(jax.random.PRNGKey(T), 4)
         q, do = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in ks[:2])
         k, v = (jax.random.normal(kk, (B, T, K, H), jnp.float32).astype(jnp.bfloat16) for kk in ks[2:])
@@ -55,22 +56,22 @@ def main(argv=None) -> int:
                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
         except Exception as e:
             err = f"{type(e).__name__}: {str(e)[:200]}"
-        print(f"T={T:5d} mosaic vs triton, max |diff| / max(1, max |triton|) over out, dq, dk, dv: {err}")
+        print(f"H={H} T={T:5d} mosaic vs triton, max |diff| / max(1, max |triton|) over out, dq, dk, dv: {err}")
         for name, (fwd, fwd_bwd) in steps.items():
             if name == "mosaic" and not (isinstance(err, float) and err < 5e-2):
-                rows.append({"T": T, "impl": name, "error": f"not timed: mismatch {err}"})
+                rows.append({"T": T, "H": H, "impl": name, "error": f"not timed: mismatch {err}"})
                 continue
             try:
                 tf = median_time(fwd, q, k, v, repeats=args.repeats, warmup=1)
                 tb = median_time(fwd_bwd, q, k, v, do, repeats=args.repeats, warmup=1)
             except Exception as e:
-                rows.append({"T": T, "impl": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
-                print(f"T={T:5d} {name:7s} failed: {type(e).__name__}: {str(e)[:160]}")
+                rows.append({"T": T, "H": H, "impl": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                print(f"H={H} T={T:5d} {name:7s} failed: {type(e).__name__}: {str(e)[:160]}")
                 continue
-            row = {"T": T, "impl": name, "fwd_ms": tf * 1e3, "fwd_tflop_s": fwd_flops / tf / 1e12,
+            row = {"T": T, "H": H, "impl": name, "fwd_ms": tf * 1e3, "fwd_tflop_s": fwd_flops / tf / 1e12,
                    "fwd_bwd_ms": tb * 1e3, "fwd_bwd_tflop_s": 3.5 * fwd_flops / tb / 1e12}
             rows.append(row)
-            print(f"T={T:5d} {name:7s} fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflop_s']:6.1f} TFLOP/s   "
+            print(f"H={H} T={T:5d} {name:7s} fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflop_s']:6.1f} TFLOP/s   "
                   f"fwd+bwd {row['fwd_bwd_ms']:8.3f} ms {row['fwd_bwd_tflop_s']:6.1f} TFLOP/s")
     if args.json:
         with open(args.json, "w") as fh:

@@ -57,9 +57,9 @@ _PER_CALL = {f"pallas:{b}": b for b in PALLAS_BACKENDS}
 # for every op until GPU timing (bench/gpu_check.sh) shows a Mosaic kernel ahead there.
 MOSAIC_KERNELS = {
     # wgmma (sm_90a) with f32 accumulators; 16-bit inputs only (f32 would be tf32 in wgmma,
-    # below the f32 contract's accuracy); head dims over 128 do not fit the backward's tiles
-    # in shared memory (jaxbwd/pallas/mosaic/attention.py).
-    "dot_product_attention": {90: {"dtypes": ("bfloat16", "float16"), "max_last_dim": 128}},
+    # below the f32 contract's accuracy); head dims up to 256, above 128 with one consumer
+    # warpgroup and dk/dv split in two kernels (jaxbwd/pallas/mosaic/attention.py).
+    "dot_product_attention": {90: {"dtypes": ("bfloat16", "float16"), "max_last_dim": 256}},
 }
 # The Mosaic GPU kernels are written against jax 0.12's Pallas Mosaic GPU API; on older jax
 # the table is empty (settings-wide choices run Triton, per-call requests raise).

@@ -19,13 +19,19 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
   converted to and from natural units at the edges.
 
 Tiles (``_plan``, sized from the compiled registers): 64 rows per consumer warpgroup
-(wgmma's M); two consumers (128 rows) per CTA in the forward and dq, and in dk/dv at head
-dim 64 (one above it); every kernel streams blocks of 64 through two ring stages. Shared
-memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64 KiB = 96 KiB; dq
-64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v + 64 KiB ring = 96
-KiB (of 227 KiB). Head dims are padded to a multiple of 64 (a swizzled row), sequences to
-whole tiles (zero rows/keys, masked); head dims over 128 are left to the Triton kernels
-(``config.MOSAIC_KERNELS``): the backward's resident and streamed tiles would not fit.
+(wgmma's M); every kernel streams blocks of 64 through two ring stages. Up to head dim 128:
+two consumers (128 rows) per CTA in the forward and dq, and in dk/dv at head dim 64 (one
+above it). Shared memory at head dim 128, bf16: forward 32 KiB q + 2 stages x (k + v) 64
+KiB = 96 KiB; dq 64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 KiB k/v +
+64 KiB ring = 96 KiB (of 227 KiB). Above 128 (Gemma's 256) a [64, 256] f32 accumulator is
+128 registers per thread, so the forward and dq run one consumer warpgroup (255 registers
+per thread with two warpgroups per CTA), and dk and dv, which would hold two, run as two
+kernels that each recompute the scores (8 matmuls per key/query block pair in the backward
+instead of 7). At 256, compiled for an H200: forward 234 registers, dv 254-255, no spills;
+dq and dk 255 with up to 128 bytes of spills per thread (the accumulator beside the [64, 64]
+score, probability and dP tiles). Shared memory at 256: forward 164 KiB, dq and dk 195 KiB,
+dv 162 KiB. Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
+tiles (zero rows/keys, masked).
 
 Masks (causal, sliding window, segment ids, the sequence tails) are applied per element on
 the blocks that need them; the forward and dq walk the key blocks every row of the CTA
@@ -54,22 +60,29 @@ Dims = TA.Dims
 NEG_INF = float("-inf")
 _LN2 = math.log(2.0)
 BQ = M.WG_ROWS
-CTA_ROWS = M.WG_ROWS * M.CONSUMERS
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Tile sizes of one problem: streamed block ``bk`` (fwd), ``bk_bwd``, ring ``stages``,
-    consumer warpgroups of the dk/dv kernel, padded ``Tp``, ``Sp``, ``Hp``."""
+    consumer warpgroups of the forward and dq (``consumers``) and of dk/dv, whether dk and
+    dv run as two kernels (``split_dkdv``), padded ``Tp``, ``Sp``, ``Hp``."""
 
     bk: int
     bk_bwd: int
     stages: int
+    consumers: int
     dkdv_consumers: int
+    split_dkdv: bool
     Tp: int
     Sp: int
     Hp: int
+
+    @property
+    def cta_rows(self) -> int:
+        """Query rows per CTA of the forward and dq: 64 per consumer warpgroup."""
+        return self.consumers * BQ
 
 
 _BLOCK_K: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("jaxbwd_mosaic_block_k", default=None)
@@ -99,12 +112,19 @@ def _plan(d: Dims) -> _Plan:
     # dk/dv holds two [64, H] f32 accumulators: at H = 128 that is 128 registers before any
     # score tile (two consumers spilled 820 bytes and ptxas serialized the wgmmas), so it
     # runs one consumer warpgroup (two warpgroups: 255 registers).
+    # Above head dim 128 a [64, Hp] f32 accumulator is Hp / 2 registers per thread (128 at
+    # 256), so the forward and dq run one consumer warpgroup (two warpgroups per CTA: 255
+    # registers per thread), and dk and dv, two such accumulators, run as two kernels that
+    # each recompute the scores (one more q k^T per key block: 8 matmuls instead of 7 in
+    # the backward).
     bk = over or 64
     bk_bwd = over or 64
+    consumers = M.CONSUMERS if Hp <= 128 else 1
     dkdv_consumers = M.CONSUMERS if Hp <= 64 else 1
-    Tp = C.cdiv(d.T, CTA_ROWS) * CTA_ROWS
-    Sp = C.cdiv(d.S, max(bk, CTA_ROWS)) * max(bk, CTA_ROWS)
-    return _Plan(bk, bk_bwd, 2, dkdv_consumers, Tp, Sp, Hp)
+    cta = consumers * BQ
+    Tp = C.cdiv(d.T, cta) * cta
+    Sp = C.cdiv(d.S, max(bk, 2 * BQ)) * max(bk, 2 * BQ)
+    return _Plan(bk, bk_bwd, 2, consumers, dkdv_consumers, Hp > 128, Tp, Sp, Hp)
 
 
 def supported(d: Dims, dtype) -> Optional[str]:
@@ -164,7 +184,7 @@ def _unpad(x, d: Dims, L: int, heads: int):
     return x[:, :L, :, : d.H].reshape(d.B * L, heads * d.H)
 
 
-def _consume_kv(d: Dims, qi, lo, hi, bk: int, st: int, consumed, step, carry):
+def _consume_kv(d: Dims, qi, cta: int, lo, hi, bk: int, st: int, consumed, step, carry):
     """A consumer's walk over key blocks [lo, hi) of query CTA ``qi``: first the blocks every
     row of the CTA sees whole (below the causal diagonal, inside S, no window or segment
     ids) with ``step(..., masked=False)``, then the rest with the element masks (as FA3
@@ -174,7 +194,7 @@ def _consume_kv(d: Dims, qi, lo, hi, bk: int, st: int, consumed, step, carry):
     else:
         mid = d.S // bk
         if d.causal:
-            mid = jnp.minimum(mid, lax.div(qi * CTA_ROWS, bk))
+            mid = jnp.minimum(mid, lax.div(qi * cta, bk))
         mid = jnp.clip(mid, lo, hi)
     carry = M.consume(lo, mid, st, consumed, functools.partial(step, masked=False), carry, base=lo)
     return M.consume(mid, hi, st, consumed, step, carry, base=lo)
@@ -190,10 +210,11 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
     bk, st = p.bk, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = lax.div(n, d.G)
-    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    cta, nc = p.cta_rows, p.consumers
+    lo, hi = TA._kv_range(d, qi * cta, cta, bk)
     wg = M.wg_index()
 
-    @M.when(wg == M.CONSUMERS)
+    @M.when(wg == nc)
     def _producer():
         sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
                    (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
@@ -201,16 +222,16 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
             sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
         M.produce(lo, hi, st, sources, consumed)
 
-    @M.when(wg < M.CONSUMERS)
+    @M.when(wg < nc)
     def _consumer():
         M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
-        r0 = qi * CTA_ROWS + wg * BQ
+        r0 = qi * cta + wg * BQ
         qsm = q_smem.at[wg]
         M.copy_gmem_to_smem(q_ref.at[b, M.ds(r0, BQ), n], qsm, q_bar.at[wg])
         qs = None
         if d.segments:
-            M.copy_gmem_to_smem(qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg], q_bar.at[M.CONSUMERS + wg])
-            M.barrier_wait(q_bar.at[M.CONSUMERS + wg])
+            M.copy_gmem_to_smem(qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg], q_bar.at[nc + wg])
+            M.barrier_wait(q_bar.at[nc + wg])
             qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), (BQ, bk))
         M.barrier_wait(q_bar.at[wg])
         rows = M.iota((BQ, bk), 0) + r0
@@ -239,7 +260,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
 
         rl = M.Layout.WGMMA.reduce(1)
         init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
-        acc, m, l = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, init)
+        acc, m, l = _consume_kv(d, qi, cta, lo, hi, bk, st, consumed, step, init)
         seen = l > 0.0
         l_safe = jnp.where(seen, l, 1.0)
         qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
@@ -256,7 +277,7 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
 
     Args:
       q2: [B*T, N*H] view of q; k2, v2: [B*S, K*H] views of k, v (bfloat16 or float16, H <=
-        128); qseg [B, T], kseg [B, S] int32, or ``None`` when ``d.segments`` is False.
+        256); qseg [B, T], kseg [B, S] int32, or ``None`` when ``d.segments`` is False.
     Returns:
       out [B*T, N*H] in q's dtype and lse [B*N, T] float32 in natural units (-inf for rows
       that see no key): the Triton forward's residual contract.
@@ -267,25 +288,26 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     p = _plan(d)
     q, k, v, segs = _views(d, p, q2, k2, v2, qseg, kseg)
     dt = q.dtype
+    nc = p.consumers
     scratch = [
-        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
+        M.tile_smem((nc, BQ, p.Hp), dt),
         M.tile_smem((p.stages, p.bk, p.Hp), dt),
         M.tile_smem((p.stages, p.bk, p.Hp), dt),
-        M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
-        M.vec_smem((M.CONSUMERS, BQ), jnp.int32) if d.segments else None,
+        M.vec_smem((nc, BQ), jnp.float32),
+        M.vec_smem((nc, BQ), jnp.int32) if d.segments else None,
         M.vec_smem((p.stages, p.bk), jnp.int32) if d.segments else None,
-        M.stage_smem((BQ, p.bk), dt, interpret),
-        M.barriers(2 * M.CONSUMERS),
+        M.stage_smem((BQ, p.bk), dt, interpret, nc),
+        M.barriers(2 * nc),
         M.barriers(p.stages),
         M.barriers(p.stages),
         M.barriers(p.stages) if d.segments else None,
-        M.barriers(p.stages, arrivals=M.CONSUMERS),
+        M.barriers(p.stages, arrivals=nc),
     ]
     out, lse = M.kernel(
         functools.partial(_fwd_body, d=d, p=p), name="attention_fwd_mosaic",
         out_type=[jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((d.B, d.N, p.Tp), jnp.float32)],
-        grid=(p.Tp // CTA_ROWS, d.N, d.B), grid_names=("q", "heads", "batch"), scratch=scratch,
-        interpret=interpret,
+        grid=(p.Tp // p.cta_rows, d.N, d.B), grid_names=("q", "heads", "batch"), scratch=scratch,
+        interpret=interpret, consumers=nc,
     )(q, k, v, *segs)
     return _unpad(out, d, d.T, d.N), lse[:, :, : d.T].reshape(d.B * d.N, d.T)
 
@@ -308,10 +330,11 @@ def _dq_body(*refs, d: Dims, p: _Plan):
     bk, st = p.bk_bwd, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = lax.div(n, d.G)
-    lo, hi = TA._kv_range(d, qi * CTA_ROWS, CTA_ROWS, bk)
+    cta, nc = p.cta_rows, p.consumers
+    lo, hi = TA._kv_range(d, qi * cta, cta, bk)
     wg = M.wg_index()
 
-    @M.when(wg == M.CONSUMERS)
+    @M.when(wg == nc)
     def _producer():
         sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
                    (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
@@ -319,10 +342,10 @@ def _dq_body(*refs, d: Dims, p: _Plan):
             sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
         M.produce(lo, hi, st, sources, consumed)
 
-    @M.when(wg < M.CONSUMERS)
+    @M.when(wg < nc)
     def _consumer():
         M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
-        r0 = qi * CTA_ROWS + wg * BQ
+        r0 = qi * cta + wg * BQ
         rows_at = (b, M.ds(r0, BQ), n)
         loads = [(q_ref.at[rows_at], q_smem.at[wg]), (do_ref.at[rows_at], do_smem.at[wg]),
                  (lse_ref.at[b, n, M.ds(r0, BQ)], lse_smem.at[wg]),
@@ -330,10 +353,13 @@ def _dq_body(*refs, d: Dims, p: _Plan):
         if d.segments:
             loads.append((qs_ref.at[b, M.ds(r0, BQ)], qs_smem.at[wg]))
         for i, (src, dst) in enumerate(loads):
-            M.copy_gmem_to_smem(src, dst, q_bar.at[i * M.CONSUMERS + wg])
+            M.copy_gmem_to_smem(src, dst, q_bar.at[i * nc + wg])
         for i in range(len(loads)):
-            M.barrier_wait(q_bar.at[i * M.CONSUMERS + wg])
+            M.barrier_wait(q_bar.at[i * nc + wg])
         shape = (BQ, bk)
+        # Per-row vectors stay vectors across the loop and are broadcast (and the index
+        # tiles built) inside each step: hoisted [64, bk] tiles would hold 32 registers each
+        # for the whole loop, beside the [64, Hp] accumulator (at head dim 256 they spilled).
         lse2 = _bcast_rows(M.row_vector(lse_smem.at[wg]) * C.LOG2E, shape)
         delta = _bcast_rows(M.row_vector(delta_smem.at[wg]), shape)
         qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), shape) if d.segments else None
@@ -350,27 +376,34 @@ def _dq_body(*refs, d: Dims, p: _Plan):
             pr = jnp.exp2(s - lse2)
             if masked:
                 pr = jnp.where(_mask(d, rows, cols0 + j * bk, qs, ks), pr, 0.0)
+            if t is not None:  # the softcap's derivative folded in now: t is dead before dp
+                pr = pr * (1.0 - t * t)
             M.barrier_wait(v_bar.at[slot])
             dp = M.matmul(do_smem.at[wg], v_ring.at[slot].T, shape)
             dsc = pr * (dp - delta)
-            if t is not None:
-                dsc = dsc * (1.0 - t * t)
             return M.matmul(dsc.astype(k_ring.dtype), k_ring.at[slot], None, acc=dq,
                             stage=None if stage is None else stage.at[wg])
 
-        dq = _consume_kv(d, qi, lo, hi, bk, st, consumed, step, M.zeros((BQ, p.Hp)))
+        dq = _consume_kv(d, qi, cta, lo, hi, bk, st, consumed, step, M.zeros((BQ, p.Hp)))
         q_smem.at[wg][...] = (dq * d.scale).astype(q_smem.dtype)
         M.commit_smem()
         M.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows_at])
         M.wait_smem_to_gmem(0)
 
 
-def _dkdv_body(*refs, d: Dims, p: _Plan):
+def _dkdv_body(*refs, d: Dims, p: _Plan, part: str):
     """FA3 Algorithm 2's dK/dV half: consumers own 64 key rows and accumulate dK and dV over
     every query block of the G query heads of their kv head (GQA reduced in-kernel, no
-    atomics); the producer streams q, do, lse, delta (and query segment ids)."""
+    atomics); the producer streams q, do, lse, delta (and query segment ids).
+
+    ``part`` is ``"dkdv"``, or ``"dk"`` / ``"dv"`` for one of the two kernels that split the
+    work above head dim 128 (``_Plan.split_dkdv``): dv needs neither v nor delta."""
     nin = 8 if d.segments else 6
-    ins, (dk_ref, dv_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
+    want_dk, want_dv = part in ("dkdv", "dk"), part in ("dkdv", "dv")
+    nout = want_dk + want_dv
+    ins, outs, scratch = refs[:nin], refs[nin:nin + nout], refs[nin + nout:]
+    dk_ref = outs[0] if want_dk else None
+    dv_ref = outs[-1] if want_dv else None
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
     qs_ref, ks_ref = ins[6:] if d.segments else (None, None)
     (k_smem, v_smem, ks_smem, q_ring, do_ring, lse_ring, delta_ring, qs_ring, stage,
@@ -392,8 +425,9 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
         rows = lambda s: M.ds(qblk(s) * bq, bq)
         sources = [(lambda s: q_ref.at[b, rows(s), head(s)], q_ring, q_bar),
                    (lambda s: do_ref.at[b, rows(s), head(s)], do_ring, do_bar),
-                   (lambda s: lse_ref.at[b, head(s), rows(s)], lse_ring, lse_bar),
-                   (lambda s: delta_ref.at[b, head(s), rows(s)], delta_ring, delta_bar)]
+                   (lambda s: lse_ref.at[b, head(s), rows(s)], lse_ring, lse_bar)]
+        if want_dk:
+            sources.append((lambda s: delta_ref.at[b, head(s), rows(s)], delta_ring, delta_bar))
         if d.segments:
             sources.append((lambda s: qs_ref.at[b, rows(s)], qs_ring, qs_bar))
         M.produce(lo, hi, st, sources, consumed)
@@ -403,7 +437,9 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
         M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
         c0 = ci * cta + wg * BQ
         cols_at = (b, M.ds(c0, BQ), kvh)
-        loads = [(k_ref.at[cols_at], k_smem.at[wg]), (v_ref.at[cols_at], v_smem.at[wg])]
+        loads = [(k_ref.at[cols_at], k_smem.at[wg])]
+        if want_dk:
+            loads.append((v_ref.at[cols_at], v_smem.at[wg]))
         if d.segments:
             loads.append((ks_ref.at[b, M.ds(c0, BQ)], ks_smem.at[wg]))
         for i, (src, dst) in enumerate(loads):
@@ -411,13 +447,11 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
         for i in range(len(loads)):
             M.barrier_wait(kv_bar.at[i * nc + wg])
         shape = (BQ, bq)  # transposed tiles: key rows x query columns
-        ks = _bcast_rows(M.row_vector(ks_smem.at[wg]), shape) if d.segments else None
-        cols = M.iota(shape, 0) + c0
-        rows0 = M.iota(shape, 1)
+        ks_row = M.row_vector(ks_smem.at[wg]) if d.segments else None  # broadcast per step, as in dq
         stg = None if stage is None else stage.at[wg]
 
         def step(s_, slot, carry):
-            dk, dv = carry
+            dk, dv = carry if part == "dkdv" else (carry, carry)
             M.barrier_wait(q_bar.at[slot])
             sT, t = _scaled(d, M.matmul(k_smem.at[wg], q_ring.at[slot].T, shape))
             M.barrier_wait(lse_bar.at[slot])
@@ -426,25 +460,40 @@ def _dkdv_body(*refs, d: Dims, p: _Plan):
             if d.segments:
                 M.barrier_wait(qs_bar.at[slot])
                 qs = _bcast_cols(M.col_vector(qs_ring.at[slot]), shape)
-            m = _mask(d, rows0 + qblk(s_) * bq, cols, qs, ks)
-            pT = jnp.where(m, jnp.exp2(sT - lse2), 0.0)
+            ks = _bcast_rows(ks_row, shape) if d.segments else None
+            pT = jnp.exp2(sT - lse2)
+            if t is not None and not want_dv:  # dk alone: the softcap's derivative now (as dq)
+                pT, t = pT * (1.0 - t * t), None
+            m = _mask(d, M.iota(shape, 1) + qblk(s_) * bq, M.iota(shape, 0) + c0, qs, ks)
+            pT = jnp.where(m, pT, 0.0)
             M.barrier_wait(do_bar.at[slot])
-            dv = M.matmul(pT.astype(do_ring.dtype), do_ring.at[slot], None, acc=dv, stage=stg)
+            if want_dv:
+                dv = M.matmul(pT.astype(do_ring.dtype), do_ring.at[slot], None, acc=dv, stage=stg)
+                if not want_dk:
+                    return dv
+            if t is not None:  # t is dead before dp^T
+                pT = pT * (1.0 - t * t)
             dpT = M.matmul(v_smem.at[wg], do_ring.at[slot].T, shape)
             M.barrier_wait(delta_bar.at[slot])
             dsT = pT * (dpT - _bcast_cols(M.col_vector(delta_ring.at[slot]), shape))
-            if t is not None:
-                dsT = dsT * (1.0 - t * t)
             dk = M.matmul(dsT.astype(q_ring.dtype), q_ring.at[slot], None, acc=dk, stage=stg)
-            return dk, dv
+            return (dk, dv) if want_dv else dk
 
-        init = (M.zeros((BQ, p.Hp)), M.zeros((BQ, p.Hp)))
-        dk, dv = M.consume(lo, hi, st, consumed, step, init)
-        k_smem.at[wg][...] = (dk * d.scale).astype(k_smem.dtype)
-        v_smem.at[wg][...] = dv.astype(v_smem.dtype)
+        init = (M.zeros((BQ, p.Hp)), M.zeros((BQ, p.Hp))) if part == "dkdv" else M.zeros((BQ, p.Hp))
+        acc = M.consume(lo, hi, st, consumed, step, init)
+        dk, dv = acc if part == "dkdv" else (acc, acc)
+        # The gradients leave through the resident tiles' shared memory (k and v are no
+        # longer read): dk through k's, dv through v's, or k's when only dv is computed.
+        dv_smem = v_smem if want_dk else k_smem
+        if want_dk:
+            k_smem.at[wg][...] = (dk * d.scale).astype(k_smem.dtype)
+        if want_dv:
+            dv_smem.at[wg][...] = dv.astype(dv_smem.dtype)
         M.commit_smem()
-        M.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[cols_at])
-        M.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[cols_at])
+        if want_dk:
+            M.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[cols_at])
+        if want_dv:
+            M.copy_smem_to_gmem(dv_smem.at[wg], dv_ref.at[cols_at])
         M.wait_smem_to_gmem(0)
 
 
@@ -471,43 +520,57 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     i32 = jnp.int32
     seg = d.segments
 
+    nc = p.consumers
     dq_scratch = [
-        M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt), M.tile_smem((M.CONSUMERS, BQ, p.Hp), dt),
-        M.vec_smem((M.CONSUMERS, BQ), jnp.float32), M.vec_smem((M.CONSUMERS, BQ), jnp.float32),
-        M.vec_smem((M.CONSUMERS, BQ), i32) if seg else None,
+        M.tile_smem((nc, BQ, p.Hp), dt), M.tile_smem((nc, BQ, p.Hp), dt),
+        M.vec_smem((nc, BQ), jnp.float32), M.vec_smem((nc, BQ), jnp.float32),
+        M.vec_smem((nc, BQ), i32) if seg else None,
         M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
         M.vec_smem((st, bk), i32) if seg else None,
-        M.stage_smem((BQ, bk), dt, interpret),
-        M.barriers(5 * M.CONSUMERS), M.barriers(st), M.barriers(st),
-        M.barriers(st) if seg else None, M.barriers(st, arrivals=M.CONSUMERS),
+        M.stage_smem((BQ, bk), dt, interpret, nc),
+        M.barriers(5 * nc), M.barriers(st), M.barriers(st),
+        M.barriers(st) if seg else None, M.barriers(st, arrivals=nc),
     ]
     dq = M.kernel(
         functools.partial(_dq_body, d=d, p=p), name="attention_bwd_dq_mosaic",
-        out_type=jax.ShapeDtypeStruct(q.shape, dt), grid=(p.Tp // CTA_ROWS, d.N, d.B),
-        grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret,
+        out_type=jax.ShapeDtypeStruct(q.shape, dt), grid=(p.Tp // p.cta_rows, d.N, d.B),
+        grid_names=("q", "heads", "batch"), scratch=dq_scratch, interpret=interpret, consumers=nc,
     )(*inputs)
 
     if interpret:
         # Mosaic's interpreter (jax 0.12) can deadlock when XLA runs two interpreted kernels
         # at once (dq and dk/dv do not depend on each other): seen as warpgroup threads
-        # blocked on barriers for minutes. Ordering dk/dv after dq avoids it; compiled
+        # blocked on barriers for minutes. Ordering dk/dv after dq avoids that; compiled
         # kernels need no such order.
         dq, inputs = lax.optimization_barrier((dq, inputs))
     nc = p.dkdv_consumers
-    dkdv_scratch = [
-        M.tile_smem((nc, BQ, p.Hp), dt), M.tile_smem((nc, BQ, p.Hp), dt),
-        M.vec_smem((nc, BQ), i32) if seg else None,
-        M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
-        M.vec_smem((st, bk), jnp.float32), M.vec_smem((st, bk), jnp.float32),
-        M.vec_smem((st, bk), i32) if seg else None,
-        M.stage_smem((BQ, bk), dt, interpret, nc),
-        M.barriers(3 * nc), M.barriers(st), M.barriers(st), M.barriers(st), M.barriers(st),
-        M.barriers(st) if seg else None, M.barriers(st, arrivals=nc),
-    ]
     kv_shape = jax.ShapeDtypeStruct(k.shape, dt)
-    dk, dv = M.kernel(
-        functools.partial(_dkdv_body, d=d, p=p), name="attention_bwd_dkdv_mosaic",
-        out_type=[kv_shape, kv_shape], grid=(p.Sp // (nc * M.WG_ROWS), d.K, d.B),
-        grid_names=("kv", "heads", "batch"), scratch=dkdv_scratch, interpret=interpret, consumers=nc,
-    )(*inputs)
+
+    def dkdv_kernel(part, inputs):
+        scratch = [
+            M.tile_smem((nc, BQ, p.Hp), dt),
+            M.tile_smem((nc, BQ, p.Hp), dt) if part != "dv" else None,
+            M.vec_smem((nc, BQ), i32) if seg else None,
+            M.tile_smem((st, bk, p.Hp), dt), M.tile_smem((st, bk, p.Hp), dt),
+            M.vec_smem((st, bk), jnp.float32),
+            M.vec_smem((st, bk), jnp.float32) if part != "dv" else None,
+            M.vec_smem((st, bk), i32) if seg else None,
+            M.stage_smem((BQ, bk), dt, interpret, nc),
+            M.barriers(3 * nc), M.barriers(st), M.barriers(st), M.barriers(st),
+            M.barriers(st) if part != "dv" else None,
+            M.barriers(st) if seg else None, M.barriers(st, arrivals=nc),
+        ]
+        return M.kernel(
+            functools.partial(_dkdv_body, d=d, p=p, part=part), name=f"attention_bwd_{part}_mosaic",
+            out_type=[kv_shape] * (2 if part == "dkdv" else 1), grid=(p.Sp // (nc * M.WG_ROWS), d.K, d.B),
+            grid_names=("kv", "heads", "batch"), scratch=scratch, interpret=interpret, consumers=nc,
+        )(*inputs)
+
+    if not p.split_dkdv:
+        dk, dv = dkdv_kernel("dkdv", inputs)
+    else:
+        (dk,) = dkdv_kernel("dk", inputs)
+        if interpret:  # the same order as above, for the same reason
+            dk, inputs = lax.optimization_barrier((dk, inputs))
+        (dv,) = dkdv_kernel("dv", inputs)
     return _unpad(dq, d, d.T, d.N), _unpad(dk, d, d.S, d.K), _unpad(dv, d, d.S, d.K)
