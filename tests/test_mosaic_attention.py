@@ -284,6 +284,20 @@ def test_compile_instrument_reads_mosaic_dumps(tmp_path):
                    "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 1, "dynamic_smem": 101376}
 
 
+def test_compile_instrument_counts_split_dk_dv_kernels():
+    # `python -m jaxbwd compile` checks that every registry kernel was compiled; above head
+    # dim 128 the Mosaic dk and dv kernels together stand for attention_bwd_dkdv.
+    from jaxbwd import deviceless
+
+    (c,) = [c for c in deviceless.cases(["dot_product_attention"], dtypes=("bfloat16",), gpus=("h200",))
+            if "x256" in c.shape_name and c.mode == "vjp"]
+    report = lambda names: {"rows": [dict(op=c.op, case=c.shape_name, dtype=c.dtype, gpu=c.gpu, kernel=k)
+                                     for k in names], "failures": []}
+    assert deviceless.missing_kernels(report(MOSAIC_SPLIT), [c]) == []
+    assert deviceless.missing_kernels(report(MOSAIC_SPLIT[:-2]), [c]) == [f"{c.id}: attention_bwd_dkdv",
+                                                                          f"{c.id}: attention_bwd_dq"]
+
+
 @pytest.mark.compile
 def test_mosaic_kernels_compile_for_h200(monkeypatch):
     # Lowering runs Mosaic's compiler (PTX, then ptxas for sm_90a) on this CPU machine: every

@@ -168,7 +168,7 @@ def leaky_relu(x, negative_slope=0.01, *, implementation=None):
 
     Raises:
       TypeError: x not floating; negative_slope traced or not a real number.
-      ValueError: unknown implementation.
+      ValueError: negative_slope NaN or infinite; unknown implementation.
 
     Source: Maas, Hannun & Ng, "Rectifier Nonlinearities Improve Neural Network Acoustic
     Models" (2013).

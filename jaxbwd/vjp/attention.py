@@ -465,11 +465,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       TypeError: non-floating or mixed q/k/v dtypes, non-integer segment_ids or seq lengths,
         non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap,
         non-bool is_causal.
-      ValueError: q/k/v not rank 4 (or all rank 3), k/v batch or head dim (H) different
-        from q's, v's shape not k's, N % K != 0, segment_ids or seq lengths of the wrong
+      ValueError: q/k/v not rank 4 (or all rank 3), an empty key axis, head axis or head
+        dim, k/v batch or head dim (H) different from q's, v's shape not k's, N % K != 0, segment_ids or seq lengths of the wrong
         shape, bias/mask not broadcastable to [B, N, T, S], sliding_window <= 0, a negative
         or malformed local_window_size, both local_window_size and sliding_window,
-        logit_softcap <= 0, head dim > 256 on the Pallas path, unknown implementation.
+        logit_softcap <= 0, scale or logit_softcap not finite, head dim > 256 on the Pallas
+        path, unknown implementation.
 
     Source: Dao, "FlashAttention-2" (2023), Algorithm 1 (forward with logsumexp) and
     Algorithm 2 (backward recomputing P from the logsumexp); Gemma Team, "Gemma 2" (2024) for

@@ -153,6 +153,7 @@ def scale(x, factor, *, implementation=None):
 
     Raises:
       TypeError: non-floating x; factor not a Python number (e.g. traced).
+      ValueError: factor NaN or infinite.
 
     Source: Hu et al., "LoRA" (2021), the alpha/r scaling of the update.
     """

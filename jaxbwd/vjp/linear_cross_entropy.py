@@ -315,7 +315,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         static parameter, return_aux or transpose_w not a bool.
       ValueError: x of rank 0, w not rank 2 or not matching x's D, an empty vocabulary,
         labels' or weights' shape not x.shape[:-1], label_smoothing outside [0, 1],
-        z_loss < 0, logit_softcap <= 0, unknown reduction or implementation.
+        z_loss < 0, logit_softcap <= 0 or not finite, unknown reduction or implementation.
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR
     2025): logits recomputed blockwise from x and w, only the lse stored; the gradient

@@ -118,7 +118,8 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
 
     Raises:
       TypeError: x or weight not floating; eps traced.
-      ValueError: x of rank 0, weight not of shape [D], eps <= 0, unknown implementation.
+      ValueError: x of rank 0, weight not of shape [D], eps <= 0 or not finite, weight_offset
+        not finite, unknown implementation.
 
     Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019). The backward
     is ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy))``, ``dw = sum(dy * x_hat)``.

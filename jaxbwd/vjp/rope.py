@@ -150,7 +150,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
       TypeError: x not floating; positions neither integer nor floating; start_pos not
         integer; theta, scale_factor, interleaved or a frequency_scaling value not static.
       ValueError: x not of rank 4, H odd, positions not [T] or [B, T], start_pos not a
-        scalar, theta or scale_factor <= 0, malformed frequency_scaling, unknown
+        scalar, theta or scale_factor <= 0 or not finite, malformed frequency_scaling, unknown
         implementation.
 
     Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"

@@ -121,9 +121,11 @@ def _plan(d: Dims) -> _Plan:
     bk_bwd = over or 64
     consumers = M.CONSUMERS if Hp <= 128 else 1
     dkdv_consumers = M.CONSUMERS if Hp <= 64 else 1
-    cta = consumers * BQ
-    Tp = C.cdiv(d.T, cta) * cta
-    Sp = C.cdiv(d.S, max(bk, 2 * BQ)) * max(bk, 2 * BQ)
+    # Padded lengths are whole multiples of every block that walks them (a block_k override
+    # need not divide the CTA's rows): queries of the forward/dq CTAs and of dk/dv's stream,
+    # keys of the forward/dq stream and of dk/dv's CTAs.
+    Tp = C.cdiv(d.T, math.lcm(consumers * BQ, bk_bwd)) * math.lcm(consumers * BQ, bk_bwd)
+    Sp = C.cdiv(d.S, math.lcm(bk, bk_bwd, 2 * BQ)) * math.lcm(bk, bk_bwd, 2 * BQ)
     return _Plan(bk, bk_bwd, 2, consumers, dkdv_consumers, Hp > 128, Tp, Sp, Hp)
 
 
@@ -357,9 +359,7 @@ def _dq_body(*refs, d: Dims, p: _Plan):
         for i in range(len(loads)):
             M.barrier_wait(q_bar.at[i * nc + wg])
         shape = (BQ, bk)
-        # Per-row vectors stay vectors across the loop and are broadcast (and the index
-        # tiles built) inside each step: hoisted [64, bk] tiles would hold 32 registers each
-        # for the whole loop, beside the [64, Hp] accumulator (at head dim 256 they spilled).
+        # Hoisted out of the loop (built inside each step, head dim 128's dq spilled 16 B).
         lse2 = _bcast_rows(M.row_vector(lse_smem.at[wg]) * C.LOG2E, shape)
         delta = _bcast_rows(M.row_vector(delta_smem.at[wg]), shape)
         qs = _bcast_rows(M.row_vector(qs_smem.at[wg]), shape) if d.segments else None
@@ -500,8 +500,9 @@ def _dkdv_body(*refs, d: Dims, p: _Plan, part: str):
 def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: bool = False):
     """FlashAttention backward on Mosaic GPU: dq [B*T, N*H], dk and dv [B*S, K*H] in the
     inputs' dtypes, from the forward's residuals (out and lse [B*N, T] f32, natural units,
-    from either backend's forward). Two kernels, deterministic (no atomics): dk/dv with one
-    CTA per (128 keys, kv head), dq with one CTA per (128 queries, head).
+    from either backend's forward). Deterministic (no atomics): dq with one CTA per (query
+    rows of ``_Plan.cta_rows``, head); dk/dv with one CTA per (64 or 128 keys, kv head), as
+    one kernel up to head dim 128 and as a dk and a dv kernel above it.
 
     ``delta = rowsum(out * dout)`` (f32) is computed by XLA, as on the Triton path.
     Raises:
