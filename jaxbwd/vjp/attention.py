@@ -466,9 +466,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap,
         non-bool is_causal.
       ValueError: q/k/v not rank 4 (or all rank 3), an empty key axis, head axis or head
-        dim, k/v batch or head dim (H) different from q's, v's shape not k's, N % K != 0, segment_ids or seq lengths of the wrong
-        shape, bias/mask not broadcastable to [B, N, T, S], sliding_window <= 0, a negative
-        or malformed local_window_size, both local_window_size and sliding_window,
+        dim, k/v batch or head dim (H) different from q's, v's shape not k's, N % K != 0,
+        segment_ids or seq lengths of the wrong shape, bias/mask not broadcastable to
+        [B, N, T, S], sliding_window <= 0, a negative or malformed local_window_size, both
+        local_window_size and sliding_window,
         logit_softcap <= 0, scale or logit_softcap not finite, head dim > 256 on the Pallas
         path, unknown implementation.
 

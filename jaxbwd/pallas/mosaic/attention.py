@@ -124,8 +124,8 @@ def _plan(d: Dims) -> _Plan:
     # Padded lengths are whole multiples of every block that walks them (a block_k override
     # need not divide the CTA's rows): queries of the forward/dq CTAs and of dk/dv's stream,
     # keys of the forward/dq stream and of dk/dv's CTAs.
-    Tp = C.cdiv(d.T, math.lcm(consumers * BQ, bk_bwd)) * math.lcm(consumers * BQ, bk_bwd)
-    Sp = C.cdiv(d.S, math.lcm(bk, bk_bwd, 2 * BQ)) * math.lcm(bk, bk_bwd, 2 * BQ)
+    t_mult, s_mult = math.lcm(consumers * BQ, bk_bwd), math.lcm(bk, bk_bwd, 2 * BQ)
+    Tp, Sp = C.cdiv(d.T, t_mult) * t_mult, C.cdiv(d.S, s_mult) * s_mult
     return _Plan(bk, bk_bwd, 2, consumers, dkdv_consumers, Hp > 128, Tp, Sp, Hp)
 
 
