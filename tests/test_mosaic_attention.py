@@ -9,15 +9,12 @@ producer) and raises on a data race. The Mosaic kernels take 16-bit inputs
 largest value, as tests/test_attention.py). ``block_k(64)`` makes the multi-block cases
 stream several key (or query) blocks through the two-slot ring, so it wraps.
 
-Known (jax 0.12.0.1): runs hang, some intermittently, and on 2026-12-02 the multi-block
-case with segment ids, window and softcap every time (also with the previous kernels; it had
-passed earlier that day). Stacks of hung runs (py-spy, gdb): one warpgroup blocked in a
-barrier wait on its own thread and one on an XLA CPU pool thread, the other warpgroups'
-computations waiting inside XLA's execute call with no callback running, idle pool threads.
-Not settled whether the interpreter or the kernels' barrier protocol is at fault (the race
-detector reports no race; turning off asynchronous CPU dispatch did not help). When
+Mosaic's interpreter runs each warpgroup as an XLA computation whose barrier waits block a
+thread of XLA:CPU's pool; with fewer than five pool threads its runs can deadlock (on 2 CPUs
+they did, intermittently). The kernels refuse such a pool with a clear error
+(``_mgpu.check_interpreter_threads``) and tests/conftest.py sizes it with NPROC=8. When
 interpreting, the Mosaic backward runs its kernels one after another (they do not depend on
-each other), which avoided an earlier deadlock of the two running at once.
+each other), which keeps fewer warpgroups blocked at once.
 """
 from __future__ import annotations
 
@@ -57,23 +54,16 @@ def _fwd_bwd(impl, **kw):
     return fwd_bwd
 
 
-# The tests that run the kernels in Mosaic's interpreter are opt-in (JAXBWD_MOSAIC_INTERPRET_TESTS=1):
-# the interpreter's runs hang, some intermittently (see the module docstring), which a CI
-# run cannot absorb. The switch, lowering and compile tests run always.
 needs_mosaic = pytest.mark.skipif(not config.MOSAIC_AVAILABLE, reason="the Mosaic GPU kernels need jax >= 0.12")
-interpreted = needs_mosaic if not config.MOSAIC_AVAILABLE else pytest.mark.skipif(
-    os.environ.get("JAXBWD_MOSAIC_INTERPRET_TESTS") != "1",
-    reason="runs Mosaic GPU kernels in Mosaic's interpreter, whose runs have hung intermittently on "
-           "jax 0.12.0.1 (module docstring); opt in with JAXBWD_MOSAIC_INTERPRET_TESTS=1")
 
-# Each case takes 20-85 s in Mosaic's interpreter on 2 busy cores (three simulated
-# warpgroups per CTA, race detection on). Three cases that cover GQA, head-dim padding,
-# causal bounds, segment ids and the softcap run by default; the rest (windows among them,
-# also in the multi-block cases) are marked slow (deselect with -m "not slow").
+# Each case takes 3-10 s in Mosaic's interpreter on 2 cores (three simulated warpgroups per
+# CTA, race detection on). Three cases that cover GQA, head-dim padding, causal bounds,
+# segment ids and the softcap are the quick selection; the rest (windows among them, also
+# in the multi-block cases) are marked slow (deselect with -m "not slow").
 FAST = ("mha-H20-pad", "segments3-causal", "softcap30")
 
 
-@interpreted
+@needs_mosaic
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in TA.CASES])
 def test_contract_cases_bf16(case):
     kw = dict(TA.CASES[case])
@@ -114,7 +104,7 @@ MULTI = {
 }
 
 
-@interpreted
+@needs_mosaic
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(MULTI))
 def test_multi_block_pipeline_bf16(case):
@@ -132,7 +122,7 @@ WIDE = {
 }
 
 
-@interpreted
+@needs_mosaic
 @pytest.mark.parametrize("case", list(WIDE))
 def test_wide_head_dims_split_dk_dv_bf16(case):
     kw = dict(WIDE[case])
@@ -142,7 +132,7 @@ def test_wide_head_dims_split_dk_dv_bf16(case):
     _compare(q, k, v, ct, kw, bk=64)
 
 
-@interpreted
+@needs_mosaic
 def test_residuals_shared_with_triton():
     # Same residual contract: the Mosaic forward's lse equals the Triton forward's, and the
     # Mosaic backward from Triton's residuals matches the Triton backward.
@@ -199,6 +189,22 @@ def test_per_call_mosaic_without_a_kernel_raises():
         _kernels_for("pallas:mosaic", "float32")
 
 
+@needs_mosaic
+def test_interpreter_refuses_a_cpu_pool_that_would_deadlock(monkeypatch):
+    # The check reads NPROC (or the CPU count) as XLA:CPU does when it sizes its pool, so
+    # setting it here changes what the check sees, not the running pool: tracing is enough.
+    q, k, v, ct = TA._inputs(1, 16, 16, 1, 1, 16, "bfloat16")
+    monkeypatch.setenv("NPROC", "4")
+    with config.use(pallas_backend="mosaic"), pytest.raises(
+            RuntimeError, match=r"attention_fwd_mosaic: Mosaic GPU's interpreter runs its 3 warpgroups on XLA's CPU "
+                                r"thread pool, .* needs at least 5 pool threads and has 4 .* Set NPROC=8"):
+        jax.eval_shape(_fwd_bwd("pallas"), q, k, v, ct)
+    monkeypatch.setenv("NPROC", "5")
+    with config.use(pallas_backend="mosaic"):
+        out, grads = jax.eval_shape(_fwd_bwd("pallas"), q, k, v, ct)
+    assert out.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 def test_bad_backend_names():
     with pytest.raises(ValueError, match=r"pallas_backend must be one of \('triton', 'mosaic'\), got 'cuda'"):
         with config.use(pallas_backend="cuda"):
@@ -248,7 +254,7 @@ def test_lowers_for_cuda_at_realistic_shapes(kw):
     assert "__gpu$xla.gpu.triton" not in text
 
 
-@interpreted
+@needs_mosaic
 def test_forward_mode_tangent_from_mosaic_residuals():
     # Forward mode keeps the Triton tangent kernel; under the Mosaic backend it reads the
     # Mosaic forward's out and lse.

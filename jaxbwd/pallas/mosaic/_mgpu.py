@@ -19,6 +19,7 @@ with it. Every warpgroup walks the same block range so that each waits every bar
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -89,6 +90,38 @@ def interpret_params(consumers: int = CONSUMERS, detect_races: bool = True) -> A
     return plgpu.InterpretGPUParams(detect_races=detect_races, num_cores_or_threads=consumers + 1)
 
 
+# Mosaic's interpreter (jax 0.12) runs each simulated warpgroup as its own XLA computation
+# on its own Python thread, and the kernel launch waits for them inside a host callback.
+# XLA:CPU runs host callbacks on its intra-op thread pool, sized from the CPU count (or the
+# NPROC environment variable) when jax starts; a barrier wait blocks its pool thread. When
+# every pool thread holds such a wait, the warpgroup that would end them waits for a free
+# thread forever: the hangs seen on 2 CPUs (py-spy and gdb: both pool threads in blocking
+# callbacks, the other warpgroups in XLA's execute waiting on the pool). The launch and
+# every warpgroup can hold a thread at once, and one more runs the non-blocking work.
+POOL_SPARE_THREADS = 2
+
+
+def cpu_pool_threads() -> int:
+    """The size of XLA:CPU's intra-op thread pool: ``NPROC`` when set to an integer, else
+    the CPUs this process may run on (read when jax creates its CPU client)."""
+    nproc = os.environ.get("NPROC", "").strip()
+    if nproc.isdigit():
+        return int(nproc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_interpreter_threads(name: str, warpgroups: int) -> None:
+    """Raises ``RuntimeError`` if XLA:CPU's thread pool is too small for Mosaic's
+    interpreter to run a kernel of ``warpgroups`` warpgroups without deadlocking."""
+    need, have = warpgroups + POOL_SPARE_THREADS, cpu_pool_threads()
+    if have < need:
+        raise RuntimeError(
+            f"{name}: Mosaic GPU's interpreter runs its {warpgroups} warpgroups on XLA's CPU thread "
+            f"pool, where barrier waits block threads; it needs at least {need} pool threads and has "
+            f"{have} (the CPU count, or NPROC), and would deadlock. Set NPROC={max(need, 8)} in the "
+            f"environment before jax starts (e.g. `NPROC=8 python ...`), or use the Triton backend.")
+
+
 _INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxbwd_mosaic_interpreting", default=False)
 
 
@@ -99,6 +132,8 @@ def kernel(body: Callable[..., None], *, name: str, out_type: Any, grid: Sequenc
     axis ``"wg"``; the last one is the producer), fast math (``approx_math``: MUFU
     exp2/rcp), run in Mosaic's interpreter with race detection when ``interpret``."""
     body.__name__ = name
+    if interpret:
+        check_interpreter_threads(name, consumers + 1)
     call = plgpu.kernel(
         body, out_type=out_type, grid=tuple(int(g) for g in grid), grid_names=tuple(grid_names),
         num_threads=consumers + 1, thread_name="wg", scratch_types=list(scratch),

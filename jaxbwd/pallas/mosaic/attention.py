@@ -13,8 +13,8 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
   the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
   operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
   With two consumers, one's softmax can run while the other's wgmma does (not enforced:
-  FA3's ping-pong scheduling barrier is not used; with it the interpreter runs hung more
-  often, see tests/test_mosaic_attention.py).
+  FA3's ping-pong scheduling barrier is not used: untried since the interpreter's
+  thread-pool deadlock was understood, see ``_mgpu.check_interpreter_threads``).
 - Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
   converted to and from natural units at the edges.
 
@@ -539,10 +539,10 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     )(*inputs)
 
     if interpret:
-        # Mosaic's interpreter (jax 0.12) can deadlock when XLA runs two interpreted kernels
-        # at once (dq and dk/dv do not depend on each other): seen as warpgroup threads
-        # blocked on barriers for minutes. Ordering dk/dv after dq avoids that; compiled
-        # kernels need no such order.
+        # Two interpreted kernels at once (dq and dk/dv do not depend on each other) block
+        # twice the XLA:CPU pool threads in barrier waits (``_mgpu.check_interpreter_threads``
+        # sizes the pool for one); ordering dk/dv after dq keeps to one. Compiled kernels need
+        # no such order.
         dq, inputs = lax.optimization_barrier((dq, inputs))
     nc = p.dkdv_consumers
     kv_shape = jax.ShapeDtypeStruct(k.shape, dt)
