@@ -533,7 +533,7 @@ _SPECS: list[OpSpec] = [
             BadInput("head dim", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {}), ValueError, r"k must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
             BadInput("N % K", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16))), {}), ValueError, r"N % K == 0.*got N=4, K=3"),
             BadInput("segment_ids shape", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}), ValueError, r"segment_ids must have shape \(1, 8\).*got \(1, 7\)"),
-            BadInput("window <= 0", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"sliding_window": 0}), ValueError, r"sliding_window must be a positive int, got 0"),
+            BadInput("window <= 0", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"sliding_window": 0}), ValueError, r"sliding_window must be an int >= 1, got 0"),
             BadInput("integer q", lambda: ((jnp.ones((1, 8, 4, 16), jnp.int32), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {}), TypeError, r"q must have a floating dtype.*got int32"),
         ),
         # fwd 4*B*N*T*S*H (QK^T and PV), bwd 2.5x fwd; causal halves both.

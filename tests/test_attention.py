@@ -290,9 +290,9 @@ BAD = [
     ("segment dtype", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
      {"segment_ids": jnp.zeros((1, 8))}, TypeError, r"segment_ids must have an integer dtype.*got float32"),
     ("window 0", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
-     {"sliding_window": 0}, ValueError, r"sliding_window must be a positive int, got 0"),
+     {"sliding_window": 0}, ValueError, r"sliding_window must be an int >= 1, got 0"),
     ("window -3", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
-     {"sliding_window": -3}, ValueError, r"sliding_window must be a positive int, got -3"),
+     {"sliding_window": -3}, ValueError, r"sliding_window must be an int >= 1, got -3"),
     ("softcap 0", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
      {"logit_softcap": 0.0}, ValueError, r"logit_softcap must be a positive number, got 0.0"),
     ("rank", lambda: (jnp.ones((8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, ValueError, r"q must have rank 4"),
@@ -453,7 +453,7 @@ def test_extras_keep_their_conventions_next_to_jax_arguments(impl):
 @pytest.mark.parametrize(
     "kw,error,match",
     [
-        ({"local_window_size": (2, -1)}, ValueError, r"local_window_size must be a non-negative int or a pair"),
+        ({"local_window_size": (2, -1)}, ValueError, r"local_window_size must be an int >= 0 or a pair of them, got \(2, -1\)"),
         ({"local_window_size": 2, "sliding_window": 3}, ValueError, r"local_window_size .* or sliding_window, not both"),
         ({"mask": jnp.ones((1, 1, 8, 8))}, TypeError, r"mask must be a boolean array.*got float32"),
         ({"bias": jnp.ones((1, 3, 8, 8))}, ValueError, r"bias must broadcast to \[B, N, T, S\] = \(1, 4, 8, 8\), got \(1, 3, 8, 8\)"),

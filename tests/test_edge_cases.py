@@ -68,6 +68,9 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.rms_norm(jnp.ones((4, 8)), jnp.ones((8,)), eps=float("nan")), ValueError, r"rms_norm: eps must be a finite number, got nan"),
         (lambda: jaxbwd.group_norm(jnp.ones((2, 4, 6)), jnp.ones((6,)), jnp.ones((6,)), num_groups=2.0), TypeError, r"group_norm: num_groups must be a static Python int, got 2.0"),
         (lambda: jaxbwd.row_slice(jnp.ones((4, 3)), 1, np.float32(2)), TypeError, r"row_slice: size must be a static Python int"),
+        (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((8, 4)), padding_idx=1.0), TypeError, r"embed: padding_idx must be None or a static Python int, got 1.0"),
+        (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, sliding_window=2.5), TypeError, r"dot_product_attention: sliding_window must be a static Python int, got 2.5"),
+        (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, local_window_size=(1, 2, 3)), ValueError, r"dot_product_attention: local_window_size must be an int >= 0 or a pair of them, got \(1, 2, 3\)"),
     ],
 )
 def test_invalid_edge_inputs_raise(call, error, match):
@@ -82,6 +85,11 @@ def test_numpy_integers_are_static_ints():
     got = jaxbwd.group_norm(x, jnp.ones((6,)), jnp.zeros((6,)), num_groups=np.int64(3))
     chex.assert_trees_all_equal(got, want)
     chex.assert_trees_all_equal(jaxbwd.row_slice(x[0], 0, np.int64(1)), x[0, :1])
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 2, 8))
+    chex.assert_trees_all_equal(jaxbwd.dot_product_attention(q, q, q, sliding_window=np.int64(2)),
+                                jaxbwd.dot_product_attention(q, q, q, sliding_window=2))
+    chex.assert_trees_all_equal(jaxbwd.dot_product_attention(q, q, q, local_window_size=(np.int64(1), 0)),
+                                jaxbwd.dot_product_attention(q, q, q, local_window_size=(1, 0)))
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

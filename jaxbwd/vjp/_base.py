@@ -124,16 +124,31 @@ def check_static_number(op: str, name: str, value: Any) -> float:
     return float(value)
 
 
-def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None) -> int:
+def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None, none_ok: bool = False) -> Any:
     """A static integer (Python or NumPy, not bool), at least ``minimum`` when given, as a
-    Python int: TypeError for anything else (a traced value included), ValueError below."""
+    Python int (``None`` passes through when ``none_ok``): TypeError for anything else (a
+    traced value included), ValueError below the minimum."""
+    if none_ok and value is None:
+        return None
+    want = f"{'None or ' if none_ok else ''}a static Python int"
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got a traced value")
+        raise TypeError(f"jaxbwd.{op}: {name} must be {want}, got a traced value")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"jaxbwd.{op}: {name} must be a static Python int, got {value!r}")
+        raise TypeError(f"jaxbwd.{op}: {name} must be {want}, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def static_int_pair(op: str, name: str, value: Any, *, minimum: int) -> tuple[int, int]:
+    """An int, or a pair of ints, each static (Python or NumPy, not bool) and at least
+    ``minimum``, as a pair of Python ints (an int ``n`` gives ``(n, n)``): ValueError for
+    anything else."""
+    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_))
+    pair = (value, value) if is_int(value) else value
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(is_int(e) and e >= minimum for e in pair)):
+        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum} or a pair of them, got {value!r}")
+    return int(pair[0]), int(pair[1])
 
 
 def check_same_dtype(op: str, names: Sequence[str], arrays: Sequence[Any]) -> None:

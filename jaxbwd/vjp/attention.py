@@ -313,13 +313,7 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     scale = H ** -0.5 if scale is None else B.check_static_number(OP, "scale", scale)
     window = None
     if sliding_window is not None:
-        if isinstance(sliding_window, jax.core.Tracer):
-            raise TypeError(f"jaxbwd.{OP}: sliding_window must be a static Python int, got a traced value")
-        if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, (int, np.integer)):
-            raise TypeError(f"jaxbwd.{OP}: sliding_window must be a positive int, got {sliding_window!r}")
-        if sliding_window <= 0:
-            raise ValueError(f"jaxbwd.{OP}: sliding_window must be a positive int, got {sliding_window!r}")
-        window = min(int(sliding_window), T + S)  # wider than any distance: no limit, int32-safe
+        window = min(B.static_int(OP, "sliding_window", sliding_window, minimum=1), T + S)  # wider than any distance: no limit, int32-safe
     softcap = None
     if logit_softcap is not None:
         B.check_positive(OP, "logit_softcap", logit_softcap)
@@ -356,15 +350,7 @@ def _check_lengths(name, x, Bsz, n):
 def _local_window(local_window_size):
     if local_window_size is None:
         return None
-    w = local_window_size
-    if isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)):
-        w = (w, w)
-    ok = (isinstance(w, (tuple, list)) and len(w) == 2
-          and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0 for v in w))
-    if not ok:
-        raise ValueError(f"jaxbwd.{OP}: local_window_size must be a non-negative int or a pair "
-                         f"(left, right) of them, got {local_window_size!r}")
-    return int(w[0]), int(w[1])
+    return B.static_int_pair(OP, "local_window_size", local_window_size, minimum=0)
 
 
 def _mean_v_rows(out, v, empty):

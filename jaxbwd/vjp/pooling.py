@@ -37,13 +37,7 @@ def _cf(x):
 def _pair(op, name, v, default=None):
     if v is None:
         return default
-    given = v
-    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-        v = (int(v), int(v))
-    if (not isinstance(v, (tuple, list)) or len(v) != 2
-            or not all(isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and e >= 1 for e in v)):
-        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= 1 or a pair of them, got {given!r}")
-    return tuple(int(e) for e in v)
+    return B.static_int_pair(op, name, v, minimum=1)
 
 
 def _pads(op, padding, hw, window, strides):
