@@ -542,7 +542,10 @@ def _case_function(case: Case):
     from jaxbwd import config
 
     arrays = [args[i] for i in array_idx]
-    with config.use(interpret=True):  # shapes only: no kernel is built for a device here
+    # Shapes only: no kernel is built for a device here. Both backends give the same shapes;
+    # Triton's interpreter is traced, as Mosaic's would refuse a small CPU pool
+    # (pallas/mosaic/_mgpu.py, check_interpreter_threads) although nothing runs.
+    with config.use(interpret=True, pallas_backend="triton"):
         if case.mode == "jvp":
             _, diff = forward(*arrays)
             arrays += [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in diff]

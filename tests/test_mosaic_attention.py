@@ -19,6 +19,7 @@ each other), which keeps fewer warpgroups blocked at once.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -288,6 +289,21 @@ def test_compile_instrument_reads_mosaic_dumps(tmp_path):
     assert row == {"kernel": "attention_fwd_mosaic", "registers": 150, "stack": 16, "spill_stores": 12,
                    "spill_loads": 8, "static_smem": 1025, "local": 0, "wgmma_serialized": False,
                    "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 1, "dynamic_smem": 101376}
+
+
+@needs_mosaic
+def test_compile_instrument_traces_shapes_without_interpreter_threads(monkeypatch):
+    # The instrument traces each case once for shapes in interpret mode; nothing runs, so a
+    # small CPU pool must not stop `JAXBWD_PALLAS_BACKEND=mosaic python -m jaxbwd compile`.
+    from jaxbwd import deviceless
+
+    monkeypatch.setenv("NPROC", "2")
+    case = next(c for c in deviceless.cases(["dot_product_attention"], ["bfloat16"], ["h200"])
+                if c.id.startswith("dot_product_attention/1x8192x32:8x128-causal/"))
+    with config.use(pallas_backend="mosaic"):
+        _, arrays, op_min_bytes = deviceless._case_function(case)
+    nbytes = [math.prod(a.shape) * a.dtype.itemsize for a in arrays]  # q, k, v, the cotangent
+    assert op_min_bytes == sum(nbytes) + sum(nbytes[:3])  # ... and dq, dk, dv
 
 
 def test_compile_instrument_counts_split_dk_dv_kernels():
