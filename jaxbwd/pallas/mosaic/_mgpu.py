@@ -169,10 +169,11 @@ def _is_ref(x) -> bool:
     return isinstance(jax.typeof(x), state_types.AbstractRef)
 
 
-def matmul(a, b, shape, acc=None, stage=None):
+def matmul(a, b, shape, acc=None, stage=None, after_issue=None):
     """``acc + a @ b`` by one wgmma, f32 accumulator [shape] in the WGMMA register layout.
     ``a`` is a shared-memory ref or a 16-bit register array; ``b`` a shared-memory ref
-    (``.T`` of a ref is a transposed view, free for 16-bit types).
+    (``.T`` of a ref is a transposed view, free for 16-bit types). ``after_issue()``, if
+    given, runs between issuing the (asynchronous) wgmma and reading its result.
 
     Mosaic's interpreter (jax 0.12) takes only shared-memory wgmma operands and does not
     interpret ``run_state`` over an initialized accumulator, so when interpreting a register
@@ -185,18 +186,20 @@ def matmul(a, b, shape, acc=None, stage=None):
     if interpreting and not _is_ref(a):
         stage[...] = a
         plgpu.commit_smem()
-        return matmul(stage, b, shape, acc)
+        return matmul(stage, b, shape, acc, after_issue=after_issue)
+    if interpreting and acc is not None:
+        return acc + matmul(a, b, acc.shape, after_issue=after_issue)
+
+    def issue(ref):
+        plgpu.wgmma(ref, a, b)
+        if after_issue is not None:
+            after_issue()
     if acc is None:
         def f(ref):
-            plgpu.wgmma(ref, a, b)
+            issue(ref)
             return ref[...]
         return pl.run_scoped(f, plgpu.ACC(tuple(shape), jnp.float32))
-    if interpreting:
-        return acc + matmul(a, b, acc.shape)
-
-    def g(ref):
-        plgpu.wgmma(ref, a, b)
-    return pl.run_state(g)(plgpu.ACC.init(acc))
+    return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
 def zeros(shape, layout=None):
@@ -248,6 +251,19 @@ def produce(lo, hi, stages: int, sources, consumed) -> None:
     @pl.loop(jnp.maximum(lo, hi - stages), hi)
     def _(step):
         plgpu.barrier_wait(consumed.at[lax.rem(step - lo, stages)])
+
+
+# FA3's ping-pong schedule (Shah et al. 2024, Section 3.1): two consumer warpgroups take
+# turns on the tensor cores, so that one's softmax runs while the other's wgmmas do. One
+# barrier with an arrival per consumer: a consumer takes a turn once its q k^T wgmma is
+# issued, arrives again when its softmax is done and waits that phase before issuing p v.
+# Consumer 1 takes one extra turn before its loop and consumer 0 one after, which offsets
+# them by half a step: one's p v and next q k^T run while the other computes its softmax.
+# Both walk the same blocks, so both pass the same number of phases.
+def take_turn(schedule) -> None:
+    """Arrive on the ping-pong barrier and wait for the other consumer's arrival."""
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
 
 
 def consume(lo, hi, stages: int, consumed, body: Callable, carry, base=None):

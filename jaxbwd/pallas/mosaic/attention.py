@@ -12,9 +12,9 @@ What changes is how a Hopper SM is driven (Shah et al. 2024, FlashAttention-3):
   backward): per CTA, consumer warpgroups own 64 rows each of the resident tile (q rows in
   the forward and dq, k/v rows in dk/dv) and one producer warpgroup streams the other
   operand's blocks through a ``stages``-slot ring (``_mgpu.produce``/``_mgpu.consume``).
-  With two consumers, one's softmax can run while the other's wgmma does (not enforced:
-  FA3's ping-pong scheduling barrier is not used: untried since the interpreter's
-  thread-pool deadlock was understood, see ``_mgpu.check_interpreter_threads``).
+  With two consumers the forward runs FA3's ping-pong schedule (``_mgpu.take_turn``): one
+  consumer's softmax runs while the other's p v and next q k^T wgmmas do. dq and dk/dv do
+  not use it.
 - Exponentials are ``exp2`` of base-2 logits (``log2(e)`` folded into the scale), lse is
   converted to and from natural units at the edges.
 
@@ -208,7 +208,8 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
     ins, (o_ref, lse_ref), scratch = refs[:nin], refs[nin:nin + 2], refs[nin + 2:]
     q_ref, k_ref, v_ref = ins[:3]
     qs_ref, ks_ref = ins[3:] if d.segments else (None, None)
-    q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed = scratch
+    (q_smem, k_ring, v_ring, lse_smem, qs_smem, ks_ring, stage, q_bar, k_bar, v_bar, ks_bar, consumed,
+     schedule) = scratch
     bk, st = p.bk, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = lax.div(n, d.G)
@@ -238,11 +239,14 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
         M.barrier_wait(q_bar.at[wg])
         rows = M.iota((BQ, bk), 0) + r0
         cols0 = M.iota((BQ, bk), 1)
+        turn = (lambda: M.take_turn(schedule)) if schedule is not None else (lambda: None)
+        if schedule is not None:
+            M.when(wg == 1)(turn)
 
         def step(j, slot, carry, masked=True):
             acc, m, l = carry
             M.barrier_wait(k_bar.at[slot])
-            s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk)))
+            s, _ = _scaled(d, M.matmul(qsm, k_ring.at[slot].T, (BQ, bk), after_issue=turn))
             ks = None
             if d.segments:
                 M.barrier_wait(ks_bar.at[slot])
@@ -253,9 +257,13 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             alpha = jnp.exp2(m - m_safe)
             pr = jnp.exp2(s - _bcast_rows(m_safe, (BQ, bk)))
+            if schedule is not None:
+                M.barrier_arrive(schedule)  # softmax done: the other consumer's turn
             l = l * alpha + pr.sum(axis=1)
             acc = acc * _bcast_rows(alpha, (BQ, p.Hp))
             M.barrier_wait(v_bar.at[slot])
+            if schedule is not None:
+                M.barrier_wait(schedule)
             acc = M.matmul(pr.astype(v_ring.dtype), v_ring.at[slot], None, acc=acc,
                            stage=None if stage is None else stage.at[wg])
             return acc, m_new, l
@@ -263,6 +271,8 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
         rl = M.Layout.WGMMA.reduce(1)
         init = (M.zeros((BQ, p.Hp)), M.full((BQ,), NEG_INF, rl), M.full((BQ,), 0.0, rl))
         acc, m, l = _consume_kv(d, qi, cta, lo, hi, bk, st, consumed, step, init)
+        if schedule is not None:
+            M.when(wg == 0)(turn)
         seen = l > 0.0
         l_safe = jnp.where(seen, l, 1.0)
         qsm[...] = (acc / _bcast_rows(l_safe, (BQ, p.Hp))).astype(qsm.dtype)
@@ -304,6 +314,7 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
         M.barriers(p.stages),
         M.barriers(p.stages) if d.segments else None,
         M.barriers(p.stages, arrivals=nc),
+        M.barriers(1, arrivals=nc) if nc == 2 else None,  # the ping-pong turns (M.take_turn)
     ]
     out, lse = M.kernel(
         functools.partial(_fwd_body, d=d, p=p), name="attention_fwd_mosaic",
