@@ -603,7 +603,7 @@ _SPECS: list[OpSpec] = [
         ),
         bad_inputs=(
             BadInput("rank", lambda: ((jnp.ones((2, 4, 6)), 2), {}), ValueError, r"x must have rank 4.*got shape \(2, 4, 6\)"),
-            BadInput("scale", lambda: ((jnp.ones((1, 2, 2, 1)), 0), {}), ValueError, r"scale must be an int >= 1, got 0"),
+            BadInput("scale", lambda: ((jnp.ones((1, 2, 2, 1)), 0), {}), ValueError, r"scale must be an int >= 1 or a pair of them, got 0"),
             BadInput("method", lambda: ((jnp.ones((1, 2, 2, 1)), 2), {"method": "bicubic"}), ValueError, r"method must be 'nearest' or 'bilinear', got 'bicubic'"),
             BadInput("integer x", lambda: ((jnp.ones((1, 2, 2, 1), jnp.int32), 2), {}), TypeError, r"x must have a floating dtype"),
         ),
@@ -660,7 +660,7 @@ _SPECS: list[OpSpec] = [
         bad_inputs=(
             BadInput("w channels", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"groups": 2}), ValueError, r"w must have shape \[kh, kw, Cin/groups=2, Cout\], got \(3, 3, 4, 8\)"),
             BadInput("groups", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 1, 6))), {"groups": 3}), ValueError, r"groups must divide x's channel count Cin=4, got groups=3"),
-            BadInput("stride", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"stride": 0}), ValueError, r"stride must be an int >= 1, got 0"),
+            BadInput("stride", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"stride": 0}), ValueError, r"stride must be an int >= 1 or a pair of them, got 0"),
             BadInput("empty kernel", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((0, 3, 4, 8))), {}), ValueError, r"w must have a non-empty kernel height kh, got shape \(0, 3, 4, 8\)"),
             BadInput("padding", lambda: ((jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 8))), {"padding": "FULL"}), ValueError, r"padding must be 'SAME', 'VALID'.*got 'FULL'"),
             BadInput("x rank", lambda: ((jnp.ones((8, 8, 4)), jnp.ones((3, 3, 4, 8))), {}), ValueError, r"x must have rank 4.*got shape \(8, 8, 4\)"),

@@ -71,6 +71,9 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((8, 4)), padding_idx=1.0), TypeError, r"embed: padding_idx must be None or a static Python int, got 1.0"),
         (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, sliding_window=2.5), TypeError, r"dot_product_attention: sliding_window must be a static Python int, got 2.5"),
         (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, local_window_size=(1, 2, 3)), ValueError, r"dot_product_attention: local_window_size must be an int >= 0 or a pair of them, got \(1, 2, 3\)"),
+        (lambda: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), 2.0), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got 2.0"),
+        (lambda: jaxbwd.upsample2d(jnp.ones((1, 4, 4, 3)), (2, 2, 2)), ValueError, r"upsample2d: scale must be an int >= 1 or a pair of them, got \(2, 2, 2\)"),
+        (lambda: jax.jit(lambda s: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), (s, 2)))(2), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got a traced value"),
     ],
 )
 def test_invalid_edge_inputs_raise(call, error, match):

@@ -157,7 +157,7 @@ def test_conv2d_bad_inputs():
         conv2d(x, w, groups=2)
     with pytest.raises(ValueError, match=r"conv2d: groups must divide x's channel count Cin=4, got groups=3"):
         conv2d(x, jnp.ones((3, 3, 1, 6)), groups=3)
-    with pytest.raises(ValueError, match=r"conv2d: stride must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"conv2d: stride must be an int >= 1 or a pair of them, got 0"):
         conv2d(x, w, stride=0)
     with pytest.raises(ValueError, match=r"conv2d: padding must be 'SAME', 'VALID'.*got 'FULL'"):
         conv2d(x, w, padding="FULL")
@@ -245,7 +245,7 @@ def test_upsample2d_zero_cotangent_gives_exact_zero(method, impl):
 
 
 def test_upsample2d_bad_inputs():
-    with pytest.raises(ValueError, match=r"upsample2d: scale must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"upsample2d: scale must be an int >= 1 or a pair of them, got 0"):
         upsample2d(jnp.ones((1, 2, 2, 1)), 0)
     with pytest.raises(ValueError, match=r"upsample2d: method must be 'nearest' or 'bilinear', got 'bicubic'"):
         upsample2d(jnp.ones((1, 2, 2, 1)), 2, method="bicubic")

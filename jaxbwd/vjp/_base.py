@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, overload
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +124,19 @@ def check_static_number(op: str, name: str, value: Any) -> float:
     return float(value)
 
 
-def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None, none_ok: bool = False) -> Any:
+def is_static_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (nor a traced value)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@overload
+def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None) -> int: ...
+@overload
+def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None,
+               none_ok: bool) -> Optional[int]: ...
+
+
+def static_int(op, name, value, *, minimum=None, none_ok=False):
     """A static integer (Python or NumPy, not bool), at least ``minimum`` when given, as a
     Python int (``None`` passes through when ``none_ok``): TypeError for anything else (a
     traced value included), ValueError below the minimum."""
@@ -133,7 +145,7 @@ def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None,
     want = f"{'None or ' if none_ok else ''}a static Python int"
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"jaxbwd.{op}: {name} must be {want}, got a traced value")
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_static_int(value):
         raise TypeError(f"jaxbwd.{op}: {name} must be {want}, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum}, got {value!r}")
@@ -142,12 +154,21 @@ def static_int(op: str, name: str, value: Any, *, minimum: Optional[int] = None,
 
 def static_int_pair(op: str, name: str, value: Any, *, minimum: int) -> tuple[int, int]:
     """An int, or a pair of ints, each static (Python or NumPy, not bool) and at least
-    ``minimum``, as a pair of Python ints (an int ``n`` gives ``(n, n)``): ValueError for
-    anything else."""
-    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_))
-    pair = (value, value) if is_int(value) else value
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(is_int(e) and e >= minimum for e in pair)):
-        raise ValueError(f"jaxbwd.{op}: {name} must be an int >= {minimum} or a pair of them, got {value!r}")
+    ``minimum``, as a pair of Python ints (an int ``n`` gives ``(n, n)``): TypeError for a
+    non-integer (a traced value included), ValueError for a sequence not of length 2 or a
+    value below the minimum."""
+    want = f"jaxbwd.{op}: {name} must be an int >= {minimum} or a pair of them, got"
+    pair = (value, value) if is_static_int(value) else value
+    if not isinstance(pair, (tuple, list)):
+        got = "a traced value" if isinstance(value, jax.core.Tracer) else repr(value)
+        raise TypeError(f"{want} {got}")
+    if len(pair) != 2:
+        raise ValueError(f"{want} {value!r}")
+    if not all(is_static_int(e) for e in pair):
+        got = "a traced value" if any(isinstance(e, jax.core.Tracer) for e in pair) else repr(value)
+        raise TypeError(f"{want} {got}")
+    if any(e < minimum for e in pair):
+        raise ValueError(f"{want} {value!r}")
     return int(pair[0]), int(pair[1])
 
 

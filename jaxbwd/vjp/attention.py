@@ -449,8 +449,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     Raises:
       TypeError: non-floating or mixed q/k/v dtypes, non-integer segment_ids or seq lengths,
-        non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap,
-        non-bool is_causal.
+        non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap/
+        local_window_size, non-bool is_causal.
       ValueError: q/k/v not rank 4 (or all rank 3), an empty key axis, head axis or head
         dim, k/v batch or head dim (H) different from q's, v's shape not k's, N % K != 0,
         segment_ids or seq lengths of the wrong shape, bias/mask not broadcastable to

@@ -117,7 +117,8 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     B.check_nonempty_axis(op, "table", table, 0, "vocabulary axis V")
     B.check_nonempty_axis(op, "table", table, 1, "feature axis D")
     V = table.shape[0]
-    if B.static_int(op, "padding_idx", padding_idx, none_ok=True) is not None:
+    padding_idx = B.static_int(op, "padding_idx", padding_idx, none_ok=True)
+    if padding_idx is not None:
         if not -V <= padding_idx < V:
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
         padding_idx = int(padding_idx) % V

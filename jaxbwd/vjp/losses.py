@@ -29,7 +29,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbwd.pallas import losses as kernels
 from jaxbwd.vjp import _base as B
@@ -214,7 +213,7 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
     moved last and flattened; masked classes become -inf logits, rows without any class
     get the ignore_index label."""
     axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    if not axes or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+    if not axes or not all(B.is_static_int(a) for a in axes):
         raise TypeError(f"jaxbwd.{op}: axis must be an int or a tuple of ints, got {axis!r}")
     if not all(-logits.ndim <= a < logits.ndim for a in axes):
         raise ValueError(f"jaxbwd.{op}: axis must be in [{-logits.ndim}, {logits.ndim}) for logits of shape "

@@ -164,8 +164,9 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
     row-major order, as XLA's own gradient.
 
     Raises:
-      TypeError: x not floating. ValueError: x not rank 4; bad window/strides/padding; a
-      window larger than the padded input; unknown implementation.
+      TypeError: x not floating; window_shape/strides not ints. ValueError: x not rank 4;
+      window_shape/strides not one int or two, or below 1; bad padding; a window larger
+      than the padded input; unknown implementation.
 
     Source: max pooling as in ``flax.linen.max_pool`` / ``lax.reduce_window``.
     """
@@ -277,7 +278,8 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
     that may overlap and differ in size a kernel would not beat two small GEMMs.
 
     Raises:
-      TypeError: x not floating. ValueError: x not rank 4; output_size not ints >= 1.
+      TypeError: x not floating; output_size not ints. ValueError: x not rank 4; no
+      output_size; output_size not one int or two, or below 1.
 
     Source: PyTorch's ``AdaptiveAvgPool2d`` bin convention; ``output_size=1`` is global
     average pooling.

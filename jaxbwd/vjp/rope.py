@@ -85,10 +85,6 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 _rope.deftangent(lambda freqs, interleaved, impl, pos, dx, _: _rotate(dx, pos, freqs, interleaved, 1.0))  # linear
 
 
-def _is_static_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -171,10 +167,10 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     llama3 = _check_frequency_scaling(op, frequency_scaling)
     if not isinstance(interleaved, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{op}: interleaved must be a static bool, got {interleaved!r}")
-    if positions is not None and (not _is_static_int(start_pos) or start_pos != 0):
+    if positions is not None and (not B.is_static_int(start_pos) or start_pos != 0):
         raise ValueError(f"jaxbwd.{op}: give positions or start_pos, not both (got positions and start_pos={start_pos!r})")
     if positions is None:
-        if _is_static_int(start_pos):
+        if B.is_static_int(start_pos):
             start = jnp.int32(start_pos)
         else:
             B.check_int(op, "start_pos", start_pos)

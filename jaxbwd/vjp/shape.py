@@ -43,7 +43,7 @@ def reshape(x, shape, *, implementation=None):
     op = "reshape"
     B.check_float(op, "x", x)
     dims = shape if isinstance(shape, (tuple, list)) else (shape,)
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in dims):
+    if not all(B.is_static_int(s) for s in dims):
         raise TypeError(f"jaxbwd.reshape: shape must be a tuple of ints, got {shape!r}")
     shape = tuple(int(s) for s in dims)
     n_neg = sum(s == -1 for s in shape)

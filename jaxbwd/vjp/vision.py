@@ -24,16 +24,6 @@ from jaxbwd import sharding as S
 UPSAMPLE_METHODS = ("nearest", "bilinear")
 
 
-def _int_pair(op: str, name: str, value, *, minimum: int = 1) -> tuple[int, int]:
-    """An int or a pair of ints -> (a, b), each >= minimum."""
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2:
-            raise ValueError(f"jaxbwd.{op}: {name} must be an int or a pair of ints, got {value!r}")
-        return tuple(B.static_int(op, name, v, minimum=minimum) for v in value)
-    v = B.static_int(op, name, value, minimum=minimum)
-    return v, v
-
-
 # ------------------------------------------------------------------------ upsample2d
 def _bilinear_matrix(n_in: int, s: int, dtype):
     """[n_in*s, n_in] interpolation matrix of half-pixel bilinear upsampling by s, edge taps
@@ -120,7 +110,7 @@ def upsample2d(x, scale, *, method="nearest", implementation=None):
     op = "upsample2d"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C])")
-    sh, sw = _int_pair(op, "scale", scale)
+    sh, sw = B.static_int_pair(op, "scale", scale, minimum=1)
     if method not in UPSAMPLE_METHODS:
         raise ValueError(f"jaxbwd.{op}: method must be 'nearest' or 'bilinear', got {method!r}")
     impl = B.impl(implementation, op, x)
@@ -246,7 +236,7 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
     op = "unpatchify"
     B.check_float(op, "tokens", tokens)
     B.check_ndim(op, "tokens", tokens, ndim=3, what="([N, gh*gw, p*p*C])")
-    gh, gw = _int_pair(op, "grid", grid)
+    gh, gw = B.static_int_pair(op, "grid", grid, minimum=1)
     p = B.static_int(op, "patch_size", patch_size, minimum=1)
     Cc = B.static_int(op, "channels", channels, minimum=1)
     if tokens.shape[1] != gh * gw:
@@ -329,7 +319,7 @@ def _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw):
                 raise ValueError(f"jaxbwd.{op}: padding must be ((top, bottom), (left, right)), got {padding!r}")
             pads = tuple(tuple(B.static_int(op, "padding", v, minimum=0) for v in p) for p in padding)
             return pads
-        ph, pw = _int_pair(op, "padding", padding, minimum=0)
+        ph, pw = B.static_int_pair(op, "padding", padding, minimum=0)
         return ((ph, ph), (pw, pw))
     if isinstance(padding, (tuple, list)):
         raise ValueError(f"jaxbwd.{op}: padding must be an int, a pair, ((top, bottom), (left, right)), 'SAME' or 'VALID', got {padding!r}")
@@ -393,8 +383,8 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
         )
     if Cout % G:
         raise ValueError(f"jaxbwd.{op}: groups must divide w's output channels Cout={Cout}, got groups={G}")
-    sh, sw = _int_pair(op, "stride", stride)
-    dh, dw = _int_pair(op, "dilation", dilation)
+    sh, sw = B.static_int_pair(op, "stride", stride, minimum=1)
+    dh, dw = B.static_int_pair(op, "dilation", dilation, minimum=1)
     eff_h, eff_w = dh * (KH - 1) + 1, dw * (KW - 1) + 1
     (pt, pb), (pl, pr) = _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw)
     Ho = (H + pt + pb - eff_h) // sh + 1
