@@ -2,11 +2,11 @@
 import gc
 import os
 
-# XLA:CPU sizes its thread pool from NPROC (else the CPU count) when jax starts. Mosaic GPU's
-# interpreter needs more pool threads than a 2-CPU machine gives or it can deadlock
-# (jaxbwd/pallas/mosaic/_mgpu.py, check_interpreter_threads); Pallas's Triton interpreter,
-# whose host callbacks also run on the pool, measured faster with 8 on 2 CPUs too.
-os.environ.setdefault("NPROC", "8")
+# XLA:CPU sizes its thread pool from PJRT_NPROC or NPROC (else the CPU count) when jax
+# starts. Mosaic GPU's interpreter needs more pool threads than a 2-CPU machine gives or it
+# can deadlock (jaxbwd/pallas/mosaic/_mgpu.py, check_interpreter_threads); Pallas's Triton
+# interpreter, whose host callbacks also run on the pool, measured faster with 8 on 2 CPUs.
+os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import jax
 import pytest

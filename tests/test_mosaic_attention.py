@@ -10,11 +10,9 @@ largest value, as tests/test_attention.py). ``block_k(64)`` makes the multi-bloc
 stream several key (or query) blocks through the two-slot ring, so it wraps.
 
 Mosaic's interpreter runs each warpgroup as an XLA computation whose barrier waits block a
-thread of XLA:CPU's pool; with fewer than five pool threads its runs can deadlock (on 2 CPUs
-they did, intermittently). The kernels refuse such a pool with a clear error
-(``_mgpu.check_interpreter_threads``) and tests/conftest.py sizes it with NPROC=8. When
-interpreting, the Mosaic backward runs its kernels one after another (they do not depend on
-each other), which keeps fewer warpgroups blocked at once.
+thread of XLA:CPU's pool; with the 2-thread pool of a 2-CPU machine runs deadlocked. The
+kernels refuse a pool of fewer than warpgroups + 2 threads with a clear error
+(``_mgpu.check_interpreter_threads``), and tests/conftest.py sizes it with NPROC.
 """
 from __future__ import annotations
 
@@ -192,18 +190,29 @@ def test_per_call_mosaic_without_a_kernel_raises():
 
 @needs_mosaic
 def test_interpreter_refuses_a_cpu_pool_that_would_deadlock(monkeypatch):
-    # The check reads NPROC (or the CPU count) as XLA:CPU does when it sizes its pool, so
-    # setting it here changes what the check sees, not the running pool: tracing is enough.
+    from jaxbwd.pallas.mosaic import _mgpu
+
     q, k, v, ct = TA._inputs(1, 16, 16, 1, 1, 16, "bfloat16")
-    monkeypatch.setenv("NPROC", "4")
+    monkeypatch.setattr(_mgpu, "cpu_pool_threads", lambda: 4)
     with config.use(pallas_backend="mosaic"), pytest.raises(
             RuntimeError, match=r"attention_fwd_mosaic: Mosaic GPU's interpreter runs its 3 warpgroups on XLA's CPU "
-                                r"thread pool, .* needs at least 5 pool threads and has 4 .* Set NPROC=8"):
+                                r"thread pool, .* needs at least 5 pool threads and has 4, .* NPROC=8 \(or PJRT_NPROC\)"):
         jax.eval_shape(_fwd_bwd("pallas"), q, k, v, ct)
-    monkeypatch.setenv("NPROC", "5")
+    monkeypatch.setattr(_mgpu, "cpu_pool_threads", lambda: 5)
     with config.use(pallas_backend="mosaic"):
         out, grads = jax.eval_shape(_fwd_bwd("pallas"), q, k, v, ct)
     assert out.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("env,want", [({"NPROC": "3"}, 3), ({"PJRT_NPROC": "5", "NPROC": "3"}, 5)])
+def test_cpu_pool_threads_counts_the_pool_jax_built(env, want):
+    code = ("import jax.numpy as jnp; jnp.ones(1).block_until_ready(); "
+            "from jaxbwd.pallas.mosaic import _mgpu; print(_mgpu.cpu_pool_threads())")
+    base = {k: v for k, v in os.environ.items() if k not in ("NPROC", "PJRT_NPROC")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(base, JAX_PLATFORMS="cpu", **env),
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[-1]) == want
 
 
 def test_bad_backend_names():
@@ -296,8 +305,9 @@ def test_compile_instrument_traces_shapes_without_interpreter_threads(monkeypatc
     # The instrument traces each case once for shapes in interpret mode; nothing runs, so a
     # small CPU pool must not stop `JAXBWD_PALLAS_BACKEND=mosaic python -m jaxbwd compile`.
     from jaxbwd import deviceless
+    from jaxbwd.pallas.mosaic import _mgpu
 
-    monkeypatch.setenv("NPROC", "2")
+    monkeypatch.setattr(_mgpu, "cpu_pool_threads", lambda: 2)
     case = next(c for c in deviceless.cases(["dot_product_attention"], ["bfloat16"], ["h200"])
                 if c.id.startswith("dot_product_attention/1x8192x32:8x128-causal/"))
     with config.use(pallas_backend="mosaic"):

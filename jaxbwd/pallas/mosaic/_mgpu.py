@@ -91,35 +91,56 @@ def interpret_params(consumers: int = CONSUMERS, detect_races: bool = True) -> A
 
 
 # Mosaic's interpreter (jax 0.12) runs each simulated warpgroup as its own XLA computation
-# on its own Python thread, and the kernel launch waits for them inside a host callback.
-# XLA:CPU runs host callbacks on its intra-op thread pool, sized from the CPU count (or the
-# NPROC environment variable) when jax starts; a barrier wait blocks its pool thread. When
-# every pool thread holds such a wait, the warpgroup that would end them waits for a free
-# thread forever: the hangs seen on 2 CPUs (py-spy and gdb: both pool threads in blocking
-# callbacks, the other warpgroups in XLA's execute waiting on the pool). The launch and
-# every warpgroup can hold a thread at once, and one more runs the non-blocking work.
-POOL_SPARE_THREADS = 2
+# on its own Python thread, and the kernel's launch waits for them inside a host callback.
+# XLA:CPU runs host callbacks, and work a computation hands off, on its intra-op thread
+# pool, sized when jax creates its CPU client (PJRT_NPROC, else NPROC, else the CPU count);
+# a barrier wait blocks the thread it runs on. On 2 CPUs the pool filled with blocked
+# callbacks (the launch and one warpgroup's barrier wait) while the other warpgroups waited
+# in XLA's execute for a free pool thread: the runs hung (py-spy and gdb stacks). At most
+# warpgroups - 1 wait at once (all of them waiting would be the kernel's own deadlock), the
+# launch holds one thread and the warpgroup that makes progress may need one: warpgroups + 1
+# threads suffice, and the check asks one more as margin. The interpreter runs one kernel at
+# a time per device; a program over several CPU devices runs one per device at once and
+# needs that many times more.
+POOL_THREADS_OVER_WARPGROUPS = 2
+_POOL_THREAD_NAME = "tf_XLAEigen"  # XLA:CPU's intra-op pool (tsl::thread::ThreadPool "XLAEigen")
 
 
 def cpu_pool_threads() -> int:
-    """The size of XLA:CPU's intra-op thread pool: ``NPROC`` when set to an integer, else
-    the CPUs this process may run on (read when jax creates its CPU client)."""
-    nproc = os.environ.get("NPROC", "").strip()
-    if nproc.isdigit():
-        return int(nproc)
+    """The threads of XLA:CPU's intra-op pool, which runs host callbacks: counted by name
+    where the OS lists a process's threads (Linux, once jax's CPU client exists), else what
+    XLA sizes the pool from (``PJRT_NPROC``, else ``NPROC``, else the usable CPUs)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = []
+    count = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                count += f.read().strip() == _POOL_THREAD_NAME
+        except OSError:  # the thread ended meanwhile
+            pass
+    if count:
+        return count
+    for var in ("PJRT_NPROC", "NPROC"):
+        try:
+            return max(1, int(os.environ[var]))
+        except (KeyError, ValueError):
+            pass
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def check_interpreter_threads(name: str, warpgroups: int) -> None:
     """Raises ``RuntimeError`` if XLA:CPU's thread pool is too small for Mosaic's
     interpreter to run a kernel of ``warpgroups`` warpgroups without deadlocking."""
-    need, have = warpgroups + POOL_SPARE_THREADS, cpu_pool_threads()
+    need, have = warpgroups + POOL_THREADS_OVER_WARPGROUPS, cpu_pool_threads()
     if have < need:
         raise RuntimeError(
             f"{name}: Mosaic GPU's interpreter runs its {warpgroups} warpgroups on XLA's CPU thread "
             f"pool, where barrier waits block threads; it needs at least {need} pool threads and has "
-            f"{have} (the CPU count, or NPROC), and would deadlock. Set NPROC={max(need, 8)} in the "
-            f"environment before jax starts (e.g. `NPROC=8 python ...`), or use the Triton backend.")
+            f"{have}, and could deadlock. Start Python with NPROC={max(need, 8)} (or PJRT_NPROC) in "
+            f"the environment, which sizes the pool when jax starts, or use the Triton backend.")
 
 
 _INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxbwd_mosaic_interpreting", default=False)

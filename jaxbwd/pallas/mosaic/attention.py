@@ -582,7 +582,5 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
         dk, dv = dkdv_kernel("dkdv", inputs)
     else:
         (dk,) = dkdv_kernel("dk", inputs)
-        if interpret:  # the same order as above, for the same reason
-            dk, inputs = lax.optimization_barrier((dk, inputs))
         (dv,) = dkdv_kernel("dv", inputs)
     return _unpad(dq, d, d.T, d.N), _unpad(dk, d, d.S, d.K), _unpad(dv, d, d.S, d.K)
