@@ -116,12 +116,13 @@ def _current() -> _Settings:
     return _default
 
 
-def _check_implementation(implementation, where="implementation", per_call=False):
+def _check_implementation(implementation, op=None, per_call=False):
     ok = IMPLEMENTATIONS + (tuple(_PER_CALL) if per_call else ())
     if implementation is not None and implementation not in ok:
         extra = " (per call also 'pallas:triton' or 'pallas:mosaic')" if per_call else ""
         raise ValueError(
-            f"jaxbwd: {where} must be None, 'pallas' or 'xla', got {implementation!r}{extra}"
+            f"jaxbwd{'.' + op if op else ''}: implementation must be None, 'pallas' or 'xla', "
+            f"got {implementation!r}{extra}"
         )
 
 
@@ -200,7 +201,7 @@ def resolve(implementation: Optional[str], op: str) -> str:
     Raises:
       ValueError: an unknown implementation name.
     """
-    _check_implementation(implementation, f"{op}: implementation", per_call=True)
+    _check_implementation(implementation, op, per_call=True)
     if implementation in _PER_CALL:
         return "pallas"
     return implementation if implementation is not None else default_implementation()
