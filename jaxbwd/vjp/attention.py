@@ -313,7 +313,8 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
     scale = H ** -0.5 if scale is None else B.check_static_number(OP, "scale", scale)
     window = None
     if sliding_window is not None:
-        window = min(B.static_int(OP, "sliding_window", sliding_window, minimum=1), T + S)  # wider than any distance: no limit, int32-safe
+        # Wider than any distance means no limit; the clamp keeps it int32-safe.
+        window = min(B.static_int(OP, "sliding_window", sliding_window, minimum=1), T + S)
     softcap = None
     if logit_softcap is not None:
         B.check_positive(OP, "logit_softcap", logit_softcap)

@@ -121,7 +121,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     if padding_idx is not None:
         if not -V <= padding_idx < V:
             raise ValueError(f"jaxbwd.{op}: padding_idx must be in [-{V}, {V}) (table has V={V} rows), got {padding_idx}")
-        padding_idx = int(padding_idx) % V
+        padding_idx %= V
     impl = B.impl(implementation, op, ids, table)
     # "v": the table may stay sharded over the vocabulary (vocab-parallel, see jaxbwd.sharding)
     return S.partitioned("...,vD->...D", lambda i, t, axes: _embed(i, t, padding_idx, impl, axes), ids, table,
