@@ -24,14 +24,26 @@ Backward, with per-token f32 cotangents ``g`` (of the loss, 0 on ignored tokens)
 (times ``1 - tanh^2`` under a softcap), cast to the operands' dtype for the tensor cores.
 
 - ``linear_cross_entropy_bwd_dx``: one program per token block; for each vocabulary block
-  it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of an f32 dx,
-  one D chunk at a time (the [block_t, D] accumulator does not fit in registers, so it
-  lives in the program's own rows of global memory: read, add, write, in a fixed order).
+  it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of dx, one D chunk
+  at a time (the [block_t, D] sum does not fit in registers, so it lives in the program's
+  own rows of global memory: read, add, write, in a fixed order).
 - ``linear_cross_entropy_bwd_dw``: a persistent grid of one program per SM, each walking
   vocabulary blocks g, g + G, ...; for each token block it recomputes the logit tile and
-  adds ``x_blk^T @ dz`` to its own f32 [D, block_v] slab, which it writes to dw in w's dtype
-  when the block is done. The f32 accumulators take G * D * block_v * 4 bytes (138 MB at
-  D = 2048 on 132 SMs) instead of an f32 copy of dw (1 GB at D = 2048, V = 128256).
+  adds ``x_blk^T @ dz`` to its own columns of dw (:func:`_dw_blocks` for its tiles).
+
+The running sums keep f32 precision without an f32 copy of dx or dw
+(:func:`accumulation`): f32 operands sum in the outputs; bf16 ones as pairs of bf16 values,
+the high half in the output itself and the low half in a bf16 companion (all of dx: R x D;
+for dw a [D, block_v] slab per program, G x D x block_v); f16 ones in f32 (dx, then cast,
+and dw's per-program slabs). The temporary memory of the backward is therefore the larger
+of the two companions: at R = 8192, D = 2048 in bf16 on 132 SMs, 32 MiB for dx and 33 MiB
+for dw, whatever V (an f32 dx alone would be 64 MiB, an f32 dw 1 GB at V = 128256).
+
+Each step of these loops reads and writes a [block_t, D] (dx) or [D, block_v] (dw) sum, 8
+bytes per element, against 4 * block_v (dx) or 4 * block_t (dw) flops per element: 32-64
+flops per byte at the tiles used. That is below an H200's ratio of tensor-core flops to HBM bytes
+(about 200), so unless these sums stay in L2 the backward kernels are bound by that traffic
+rather than by their dots: an estimate from the loop structure; no GPU has timed them.
 
 No atomics: every output element has one writer and a fixed summation order, so the
 gradients are bitwise reproducible. The backward costs two logit recomputations
@@ -116,6 +128,26 @@ def _blocks(d: Dims, dtype):
     bd = min(bd, max(16, C.next_pow2(d.D)))
     return bt, bv, bd, nw
 
+
+
+def _dw_blocks(d: Dims, dtype):
+    """The dw kernel's (block_t, block_v, block_d, num_warps): :func:`_blocks`'s, except for
+    16-bit operands: 64 vocabulary columns and 128 tokens per step.
+
+    The kernel's temporary memory is one [D, block_v] accumulator per program (the bf16
+    ``lo`` halves, or f32 for f16; none for f32 operands, which sum in dw itself), so 64
+    columns halve it: 33 MiB at D = 2048 on 132 SMs. Each token step reads and writes a
+    program's whole accumulator, 8 bytes per element (f32, or the 2 + 2 bytes of the bf16
+    pair) against 4 * block_t flops per element: 128 tokens double that ratio to 64 flops per
+    byte and offset the x tiles that 64-column blocks read twice as often (an estimate from
+    the loop structure; no GPU timing exists). Compiled (2026-12-02): 205-255 registers on
+    sm_90 with HGMMA, 152-222 on sm_80, no spills; f32 operands at 128 tokens spilled about
+    1 KB per thread, so they keep :func:`_blocks`'s tiles.
+    """
+    bt, bv, bd, nw = _blocks(d, dtype)
+    if _BLOCKS.get() is not None or jnp.dtype(dtype).itemsize > 2:
+        return bt, bv, bd, nw
+    return min(128, max(16, C.next_pow2(d.R))), min(bv, 64), bd, nw
 
 def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
     """w's tile for D chunk ``dc`` and vocabulary columns ``cols``: [bd, bv] in the Dense
@@ -246,14 +278,46 @@ def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd,
     return jnp.where(cmask[None, :], dz, 0.0).astype(dtype)
 
 
-def _accumulate(ref, idx, mask, value, first: bool):
-    """``ref[idx] (+)= value`` on rows or columns the program owns: a fixed order, no atomics."""
+def accumulation(dtype) -> str:
+    """How the backward kernels keep their f32 sums of block contributions, by operand dtype.
+
+    - ``"f32"``: in the f32 outputs themselves.
+    - ``"pair"`` (bf16): as the pair ``hi + lo`` of two bf16 values, ``hi`` in the bf16
+      output itself and ``lo = bf16(sum - hi)`` in a bf16 companion, so no f32 copy of dx
+      or dw exists. ``hi + lo`` is exact in f32; each block's contribution is added to it
+      in f32 and the result split again, which rounds ``lo``: about 16 significant bits per
+      step (bf16's 8, twice) against f32's 24, still 2^8 below the output's own rounding.
+      Measured on [64, 512] x [512, 32000] bf16 dx sums (250 vocabulary blocks, float64
+      reference): every element within 1 ulp of the correctly rounded bf16 result, 0.35%
+      of them off by one (f32 accumulation: 0.012%; a plain bf16 running sum: 75% off, up
+      to 700 ulps).
+    - ``"slab"`` (f16): f32 temporaries (dx [R, D], dw's per-program slabs), cast at the
+      end: f16's narrow range could overflow a partial sum that the f32 result would not.
+    """
+    dt = jnp.dtype(dtype)
+    return "f32" if dt == jnp.float32 else "pair" if dt == jnp.bfloat16 else "slab"
+
+
+def _accumulate(ref, idx, mask, value, first: bool, lo=None):
+    """``ref[idx] (+)= value`` on elements the program owns: a fixed order, no atomics.
+
+    ``lo = (lo_ref, lo_idx)``: the sum is the pair ``ref[idx] + lo_ref[lo_idx]`` of
+    bf16 values (:func:`accumulation`'s ``"pair"``)."""
     if not first:
-        value = value + C.load(ref, idx, mask)
-    C.store(ref, idx, value, mask)
+        old = C.load(ref, idx, mask)
+        if lo is not None:
+            old = old + C.load(lo[0], lo[1], mask)  # exact: lo is below half an ulp of hi
+        value = value + old
+    if lo is None:
+        C.store(ref, idx, value, mask)
+        return
+    hi = value.astype(ref.dtype)
+    C.store(ref, idx, hi, mask)
+    C.store(lo[0], lo[1], value - hi.astype(jnp.float32), mask)
 
 
-def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d: Dims, bt: int, bv: int, bd: int):
+def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *lo_ref, d: Dims, bt: int, bv: int,
+               bd: int):
     i = pl.program_id(0)
     rows = i * bt + jnp.arange(bt)
     rmask = rows < d.R
@@ -269,7 +333,9 @@ def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d:
             dmask = dc < d.D
             wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
             contrib = C.dot(dz, wt, trans_b=not d.transpose_w)  # [bt, bd]
-            _accumulate(dx_ref, (rows[:, None], dc[None, :]), rmask[:, None] & dmask[None, :], contrib, first)
+            idx = (rows[:, None], dc[None, :])
+            lo = (lo_ref[0], idx) if lo_ref else None
+            _accumulate(dx_ref, idx, rmask[:, None] & dmask[None, :], contrib, first, lo)
             return carry
 
         lax.fori_loop(0, C.cdiv(d.D, bd), chunk, 0)
@@ -284,29 +350,35 @@ def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *, d:
 
 
 def _dw_programs(d: Dims, bv: int) -> int:
-    """Programs of the dw kernel's persistent grid: one per SM (its ~250 registers per
-    thread allow one block per SM), each walking vocabulary blocks g, g + G, ..."""
+    """Programs of the dw kernel's persistent grid: one per SM of the target GPU, each walking
+    vocabulary blocks g, g + G, .... On sm_90 two would fit per SM by registers, but each
+    program holds its own [D, block_v] slab, so programs in flight cost temporary memory."""
     over = _BLOCKS.get()
-    n = over[3] if over is not None and over[3] else C.GPU_NUM_CORES
+    n = over[3] if over is not None and over[3] else C.num_sms()
     return max(1, min(C.cdiv(d.V, bv), n))
 
 
-def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_ref, *, d: Dims, bt: int, bv: int,
-               bd: int, G: int):
+def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab_ref, d: Dims, bt: int, bv: int,
+               bd: int, G: int, mode: str):
     g = pl.program_id(0)
     lc = jnp.arange(bv)
     nd = C.cdiv(d.D, bd)
 
-    def acc_index(dc, dmask):
-        """The program's own f32 accumulator tile: [bd, bv] of its [D, bv] slab (Dense
-        layout) or [bv, bd] of its [bv, D] slab (table layout)."""
+    def slab_index(dc):
+        """The program's own tile of its slab: [bd, bv] of a [D, bv] slab (Dense layout) or
+        [bv, bd] of a [bv, D] slab (table layout)."""
         if d.transpose_w:
-            return (g * bv + lc[:, None], dc[None, :]), jnp.ones((bv, 1), bool) & dmask[None, :]
-        return (g * d.D + dc[:, None], lc[None, :]), dmask[:, None] & jnp.ones((1, bv), bool)
+            return g * bv + lc[:, None], dc[None, :]
+        return g * d.D + dc[:, None], lc[None, :]
 
     def vocab_block(it, carry):
         cols = (g + it * G) * bv + lc
         cmask = cols < d.V
+
+        def out_index(dc, dmask):
+            if d.transpose_w:
+                return (cols[:, None], dc[None, :]), cmask[:, None] & dmask[None, :]
+            return (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :]
 
         def step(i, first: bool):
             rows = i * bt + jnp.arange(bt)
@@ -320,7 +392,13 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_r
                 xt = _x_tile(x_ref, rows, rmask, dc, dmask)
                 # [bv, bd] rows of the table, or [bd, bv] columns of the kernel
                 contrib = C.dot(dz, xt, trans_a=True) if d.transpose_w else C.dot(xt, dz, trans_a=True)
-                _accumulate(acc_ref, *acc_index(dc, dmask), contrib, first)
+                idx, mask = out_index(dc, dmask)
+                if mode == "f32":
+                    _accumulate(dw_ref, idx, mask, contrib, first)
+                elif mode == "pair":
+                    _accumulate(dw_ref, idx, mask, contrib, first, lo=(slab_ref[0], slab_index(dc)))
+                else:
+                    _accumulate(slab_ref[0], slab_index(dc), mask, contrib, first)
                 return carry
 
             lax.fori_loop(0, nd, chunk, 0)
@@ -333,44 +411,52 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, acc_r
 
         lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
 
-        def write(k, carry):  # the finished block, in w's dtype
-            dc = k * bd + jnp.arange(bd)
-            dmask = dc < d.D
-            idx, mask = acc_index(dc, dmask)
-            tile = C.load(acc_ref, idx, mask)
-            if d.transpose_w:
-                C.store(dw_ref, (cols[:, None], dc[None, :]), tile, cmask[:, None] & dmask[None, :])
-            else:
-                C.store(dw_ref, (dc[:, None], cols[None, :]), tile, dmask[:, None] & cmask[None, :])
-            return carry
+        if mode == "slab":
+            def write(k, carry):  # the finished block, in w's dtype
+                dc = k * bd + jnp.arange(bd)
+                idx, mask = out_index(dc, dc < d.D)
+                C.store(dw_ref, idx, C.load(slab_ref[0], slab_index(dc), mask), mask)
+                return carry
 
-        lax.fori_loop(0, nd, write, 0)
+            lax.fori_loop(0, nd, write, 0)
         return carry
 
     lax.fori_loop(0, C.idiv(C.cdiv(d.V, bv) - g + (G - 1), G), vocab_block, 0)
 
 
 def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: bool = False):
-    """dx [R, D] float32 and dw (w's shape and dtype) from the saved per-token ``m`` and
-    ``s = sum(exp(z - m))`` ([R] f32, over the whole vocabulary) and the per-token f32
-    cotangents ``g`` (of the loss; 0 on ignored tokens) and ``gl`` (of the lse).
+    """dx [R, D] and dw (w's shape) from the saved per-token ``m`` and ``s = sum(exp(z - m))``
+    ([R] f32, over the whole vocabulary) and the per-token f32 cotangents ``g`` (of the loss;
+    0 on ignored tokens) and ``gl`` (of the lse).
 
-    ``labels`` [R] int32 as for :func:`linear_cross_entropy_fwd`.
+    ``labels`` [R] int32 as for :func:`linear_cross_entropy_fwd`. dx is float32 for f32 and
+    f16 operands and bf16 for bf16 ones (see :func:`accumulation`); dw has w's dtype.
     """
     bt, bv, bd, nw = _blocks(d, x.dtype)
+    mode = accumulation(x.dtype)
     args = (x, w, labels, m, s, g, gl)
     flops = 4 * d.R * d.D * d.V
-    common = dict(interpret=interpret, num_warps=nw, num_stages=2, flops=flops, transcendentals=d.R * d.V)
+    common = dict(interpret=interpret, num_stages=2, flops=flops, transcendentals=d.R * d.V)
+    dx_dtype = x.dtype if mode == "pair" else jnp.float32
+    dx_out = jax.ShapeDtypeStruct((d.R, d.D), dx_dtype)
     dx = C.call(
         functools.partial(_dx_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dx",
-        grid=(C.cdiv(d.R, bt),), out_shape=jax.ShapeDtypeStruct((d.R, d.D), jnp.float32),
+        grid=(C.cdiv(d.R, bt),), out_shape=(dx_out, dx_out) if mode == "pair" else dx_out, num_warps=nw,
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.R, bt) * C.nbytes(w) + 8 * d.R * d.D * C.cdiv(d.V, bv), **common,
     )(*args)
+    if mode == "pair":
+        dx = dx[0]
+    bt, bv, bd, nw = _dw_blocks(d, x.dtype)
     G = _dw_programs(d, bv)
-    acc = (G * bv, d.D) if d.transpose_w else (G * d.D, bv)
-    dw, _ = C.call(
-        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd, G=G), name="linear_cross_entropy_bwd_dw",
-        grid=(G,), out_shape=(jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(acc, jnp.float32)),
+    dw_out = jax.ShapeDtypeStruct(w.shape, w.dtype)
+    if mode == "f32":
+        out_shape = dw_out
+    else:
+        slab = (G * bv, d.D) if d.transpose_w else (G * d.D, bv)
+        out_shape = (dw_out, jax.ShapeDtypeStruct(slab, w.dtype if mode == "pair" else jnp.float32))
+    dw = C.call(
+        functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd, G=G, mode=mode), name="linear_cross_entropy_bwd_dw",
+        grid=(G,), out_shape=out_shape, num_warps=nw,
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
     )(*args)
-    return dx, dw
+    return dx, (dw if mode == "f32" else dw[0])
