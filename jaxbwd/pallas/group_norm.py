@@ -106,7 +106,7 @@ def _layout(N: int, S: int, Cc: int, silu: bool):
     block_c = C.next_pow2(Cc)
     block_s = max(1, min(C.next_pow2(S), (GROUP_TILE_SILU if silu else GROUP_TILE) // block_c))
     tiles = C.cdiv(S, block_s)
-    K = max(1, min(tiles, C.cdiv(PROGRAMS_PER_SM * C.GPU_NUM_CORES, N)))
+    K = max(1, min(tiles, C.cdiv(PROGRAMS_PER_SM * C.num_sms(), N)))
     rows_per_program = C.cdiv(tiles, K) * block_s
     return block_c, block_s, rows_per_program, C.cdiv(S, rows_per_program)
 

@@ -77,7 +77,7 @@ def rope_bwd(dy, pos, inv_freq, *, interleaved: bool, interpret: bool = False):
     block_half = C.next_pow2(H // 2)
     block_pos = max(1, min(HEAD_TILE // (2 * block_half), C.next_pow2(P)))
     # Enough programs to fill the GPU twice over when positions are few.
-    while block_pos > 1 and C.cdiv(P, block_pos) < 2 * C.GPU_NUM_CORES:
+    while block_pos > 1 and C.cdiv(P, block_pos) < 2 * C.num_sms():
         block_pos //= 2
     kernel = functools.partial(_rope_bwd_kernel, n_pos=P, heads=N, head_dim=H, block_pos=block_pos,
                                block_half=block_half, interleaved=bool(interleaved))
