@@ -71,22 +71,13 @@ def head_temp_bytes(fn, V: int, T: int = HEAD_T, D: int = HEAD_D) -> int:
 def head_temp_bytes_gpu(fn, V: int, gpu: str = "h200", T: int = HEAD_T, D: int = HEAD_D) -> int:
     """As :func:`head_temp_bytes`, compiled for ``gpu`` by XLA's deviceless GPU compiler
     (``jaxbwd.deviceless``, the ``[compile]`` extra) with the Pallas kernels: no GPU is used."""
-    import warnings
+    from jaxbwd import deviceless
 
-    from jaxbwd import config, deviceless
-    from jaxbwd.pallas import _common
-
-    target = deviceless.GPUS[gpu]
-    mesh = jax.sharding.Mesh([deviceless._device(target)], ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((T,), jnp.int32)
-    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)), in_shardings=sharding)
-        return int(step.trace(x, w, y).lower().compile().memory_analysis().temp_size_in_bytes)
+    step = jax.value_and_grad(fn, argnums=(0, 1))
+    return int(deviceless.compile_for(step, x, w, y, gpu=gpu).memory_analysis().temp_size_in_bytes)
 
 
 def head_ops(impl):

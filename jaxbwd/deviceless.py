@@ -570,6 +570,27 @@ def _device(target: GpuTarget):
     return _TOPOLOGIES[target.name].devices[0]
 
 
+
+def compile_for(fn, *args, gpu: str = "h200"):
+    """``jax.jit(fn)`` compiled for ``gpu`` (a key of :data:`GPUS`) by XLA's GPU compiler on
+    this machine, with the Pallas kernels built for that GPU: the compiled executable, e.g.
+    for ``.memory_analysis()``. Nothing runs. ``args``: arrays or ``jax.ShapeDtypeStruct``s.
+    Needs the ``[compile]`` extra; raises ``KeyError`` for an unknown ``gpu``."""
+    import warnings
+
+    import jax
+
+    from jaxbwd import config
+    from jaxbwd.pallas import _common
+
+    target = GPUS[gpu]
+    mesh = jax.sharding.Mesh([_device(target)], ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(fn, in_shardings=sharding).trace(*args).lower().compile()
+
 def _s_tile(call) -> Optional[list[int]]:
     """The [rows, cols] of the score tile S one main-loop iteration computes, as an attention
     kernel declares it (``pallas_call`` metadata ``s_tile = "RxC"``), else ``None``."""
