@@ -164,27 +164,28 @@ def test_dw_programs_walk_several_vocabulary_blocks(transpose_w):
 @pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float16), ids=("bf16", "f16"))
 def test_16bit_sums_across_many_blocks(dtype, transpose_w):
     """bf16 grads keep their running sums as bf16 pairs, f16 ones in f32 (``K.accumulation``):
-    over 25 vocabulary blocks and 10 token blocks, through dw programs that reuse their
-    slabs, the kernels' grads are within two bf16 ulps (of the larger of |value| and 1e-3 of
-    the largest) of the XLA path's f32 sums of the same 16-bit dz, which both paths round
-    from slightly different exponentials. Measured: bf16 at most 1.0, f16 0.54 (4.3 of its
-    own ulps); a plain bf16 running sum is off by up to 313 (dx) and 110 (dw)."""
-    x, w, labels, _ = _inputs(4, R=160, D=48, V=400, dtype=dtype)
+    over 25 vocabulary blocks and 10 token blocks, all with ragged tails, through dw programs
+    that reuse their slabs, the kernels' grads are within three bf16 ulps (of the larger of
+    |value| and 1e-3 of the largest) of the XLA path's f32 sums of the same 16-bit dz, which
+    the two paths round from slightly different exponentials. Measured: bf16 at most 0.97,
+    f16 2.4; a plain bf16 running sum (the pair's lo dropped) is off by up to 187 (dx) and
+    113 (dw). (With reduction="sum", dz stays above f16's subnormal range.)"""
+    x, w, labels, _ = _inputs(4, R=157, D=40, V=395, dtype=dtype)
     wl = w.T if transpose_w else w
 
     def grads(impl):
         loss = lambda x, w: jaxbwd.linear_cross_entropy(  # noqa: E731
-            x, w, labels, transpose_w=transpose_w, label_smoothing=0.1, implementation=impl)
+            x, w, labels, transpose_w=transpose_w, label_smoothing=0.1, reduction="sum", implementation=impl)
         return jax.grad(loss, (0, 1))(x, wl)
 
     with K.block_sizes(16, 16, 16, dw_programs=3), L.chunk_size(16):
         got, want = grads("pallas"), grads("xla")
-    assert K.accumulation(dtype) == ("pair" if dtype == jnp.bfloat16 else "slab")
+    assert K.accumulation(dtype) == ("pair" if dtype == jnp.bfloat16 else "f32_temp")
     for g, e in zip(got, want):
         assert g.dtype == dtype
         g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
         ulp = np.maximum(np.abs(e), 1e-3 * np.abs(e).max()) * float(jnp.finfo(jnp.bfloat16).eps)
-        np.testing.assert_array_less(np.abs(g - e) / ulp, 2.0)
+        np.testing.assert_array_less(np.abs(g - e) / ulp, 3.0)
 
 
 @pytest.mark.parametrize("impl", ("xla", "pallas"))

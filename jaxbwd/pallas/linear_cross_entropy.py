@@ -41,9 +41,11 @@ for dw, whatever V (an f32 dx alone would be 64 MiB, an f32 dw 1 GB at V = 12825
 
 Each step of these loops reads and writes a [block_t, D] (dx) or [D, block_v] (dw) sum, 8
 bytes per element, against 4 * block_v (dx) or 4 * block_t (dw) flops per element: 32-64
-flops per byte at the tiles used. That is below an H200's ratio of tensor-core flops to HBM bytes
-(about 200), so unless these sums stay in L2 the backward kernels are bound by that traffic
-rather than by their dots: an estimate from the loop structure; no GPU has timed them.
+flops per byte at the tiles used, below an H200's ratio of tensor-core flops to HBM bytes
+(about 200). The sums in flight (R = 8192, D = 2048, bf16: 64 MiB for dx, 66 MiB for dw
+with their hi halves) exceed its 50 MiB L2, so the backward kernels are likely bound by this
+traffic rather than by their dots: an estimate from the loop structure; no GPU has timed
+them.
 
 No atomics: every output element has one writer and a fixed summation order, so the
 gradients are bitwise reproducible. The backward costs two logit recomputations
@@ -129,7 +131,6 @@ def _blocks(d: Dims, dtype):
     return bt, bv, bd, nw
 
 
-
 def _dw_blocks(d: Dims, dtype):
     """The dw kernel's (block_t, block_v, block_d, num_warps): :func:`_blocks`'s, except for
     16-bit operands: 64 vocabulary columns and 128 tokens per step.
@@ -140,14 +141,15 @@ def _dw_blocks(d: Dims, dtype):
     program's whole accumulator, 8 bytes per element (f32, or the 2 + 2 bytes of the bf16
     pair) against 4 * block_t flops per element: 128 tokens double that ratio to 64 flops per
     byte and offset the x tiles that 64-column blocks read twice as often (an estimate from
-    the loop structure; no GPU timing exists). Compiled (2026-12-02): 205-255 registers on
-    sm_90 with HGMMA, 152-222 on sm_80, no spills; f32 operands at 128 tokens spilled about
-    1 KB per thread, so they keep :func:`_blocks`'s tiles.
+    the loop structure; no GPU timing exists). Compiled (2026-12-02, registry shapes): 254-255
+    registers on sm_90 with HGMMA, 218-234 on sm_80, no spills; f32 operands at 128 tokens
+    spilled about 1 KB per thread, so they keep :func:`_blocks`'s tiles.
     """
     bt, bv, bd, nw = _blocks(d, dtype)
     if _BLOCKS.get() is not None or jnp.dtype(dtype).itemsize > 2:
         return bt, bv, bd, nw
     return min(128, max(16, C.next_pow2(d.R))), min(bv, 64), bd, nw
+
 
 def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
     """w's tile for D chunk ``dc`` and vocabulary columns ``cols``: [bd, bv] in the Dense
@@ -281,21 +283,22 @@ def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd,
 def accumulation(dtype) -> str:
     """How the backward kernels keep their f32 sums of block contributions, by operand dtype.
 
-    - ``"f32"``: in the f32 outputs themselves.
+    - ``"output"`` (f32): in the f32 outputs themselves.
     - ``"pair"`` (bf16): as the pair ``hi + lo`` of two bf16 values, ``hi`` in the bf16
       output itself and ``lo = bf16(sum - hi)`` in a bf16 companion, so no f32 copy of dx
       or dw exists. ``hi + lo`` is exact in f32; each block's contribution is added to it
-      in f32 and the result split again, which rounds ``lo``: about 16 significant bits per
-      step (bf16's 8, twice) against f32's 24, still 2^8 below the output's own rounding.
-      Measured on [64, 512] x [512, 32000] bf16 dx sums (250 vocabulary blocks, float64
-      reference): every element within 1 ulp of the correctly rounded bf16 result, 0.35%
-      of them off by one (f32 accumulation: 0.012%; a plain bf16 running sum: 75% off, up
-      to 700 ulps).
-    - ``"slab"`` (f16): f32 temporaries (dx [R, D], dw's per-program slabs), cast at the
-      end: f16's narrow range could overflow a partial sum that the f32 result would not.
+      in f32 and the result split again, which rounds ``lo``: at most 2^-16 of the sum per
+      step (about 16 significant bits, bf16's 8 twice) against f32's 2^-24, and 2^8 below
+      the output's own rounding. Measured on [64, 512] x [512, 32000] bf16 dx sums (250
+      vocabulary blocks, float64 reference): every element within 1 ulp of the correctly
+      rounded bf16 result, 0.35% of them off by one (f32 sums: 0.012%; a plain bf16 running
+      sum: 75% off, up to 700 ulps). An infinite sum stays infinite (its ``lo`` is 0).
+    - ``"f32_temp"`` (f16): f32 temporaries (dx [R, D] as an f32 output cast afterwards,
+      dw's per-program [D, block_v] slabs copied to dw): f16's narrow range could overflow a
+      partial sum that the f32 result would not, and a ``lo`` half would underflow.
     """
     dt = jnp.dtype(dtype)
-    return "f32" if dt == jnp.float32 else "pair" if dt == jnp.bfloat16 else "slab"
+    return "output" if dt == jnp.float32 else "pair" if dt == jnp.bfloat16 else "f32_temp"
 
 
 def _accumulate(ref, idx, mask, value, first: bool, lo=None):
@@ -313,7 +316,10 @@ def _accumulate(ref, idx, mask, value, first: bool, lo=None):
         return
     hi = value.astype(ref.dtype)
     C.store(ref, idx, hi, mask)
-    C.store(lo[0], lo[1], value - hi.astype(jnp.float32), mask)
+    # Exact in f32 (and not folded: Pallas emits plain truncf/extf, which MLIR folds only
+    # under fast-math contract flags). inf - inf would make lo NaN, so lo is 0 there.
+    hi32 = hi.astype(jnp.float32)
+    C.store(lo[0], lo[1], jnp.where(jnp.isfinite(hi32), value - hi32, 0.0), mask)
 
 
 def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *lo_ref, d: Dims, bt: int, bv: int,
@@ -351,8 +357,9 @@ def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *lo_r
 
 def _dw_programs(d: Dims, bv: int) -> int:
     """Programs of the dw kernel's persistent grid: one per SM of the target GPU, each walking
-    vocabulary blocks g, g + G, .... On sm_90 two would fit per SM by registers, but each
-    program holds its own [D, block_v] slab, so programs in flight cost temporary memory."""
+    vocabulary blocks g, g + G, .... On sm_90 two fit per SM by registers, but for 16-bit
+    operands each program holds its own [D, block_v] slab, so programs in flight cost
+    temporary memory; f32 operands have no slab and take the same grid (not tuned)."""
     over = _BLOCKS.get()
     n = over[3] if over is not None and over[3] else C.num_sms()
     return max(1, min(C.cdiv(d.V, bv), n))
@@ -393,12 +400,11 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab
                 # [bv, bd] rows of the table, or [bd, bv] columns of the kernel
                 contrib = C.dot(dz, xt, trans_a=True) if d.transpose_w else C.dot(xt, dz, trans_a=True)
                 idx, mask = out_index(dc, dmask)
-                if mode == "f32":
-                    _accumulate(dw_ref, idx, mask, contrib, first)
-                elif mode == "pair":
-                    _accumulate(dw_ref, idx, mask, contrib, first, lo=(slab_ref[0], slab_index(dc)))
+                if mode == "f32_temp":  # the slab holds the sum; dw gets it when the block is done
+                    ref, idx, lo = slab_ref[0], slab_index(dc), None
                 else:
-                    _accumulate(slab_ref[0], slab_index(dc), mask, contrib, first)
+                    ref, lo = dw_ref, (slab_ref[0], slab_index(dc)) if mode == "pair" else None
+                _accumulate(ref, idx, mask, contrib, first, lo)
                 return carry
 
             lax.fori_loop(0, nd, chunk, 0)
@@ -411,7 +417,7 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab
 
         lax.fori_loop(1, C.cdiv(d.R, bt), rest, 0)
 
-        if mode == "slab":
+        if mode == "f32_temp":
             def write(k, carry):  # the finished block, in w's dtype
                 dc = k * bd + jnp.arange(bd)
                 idx, mask = out_index(dc, dc < d.D)
@@ -449,7 +455,7 @@ def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: b
     bt, bv, bd, nw = _dw_blocks(d, x.dtype)
     G = _dw_programs(d, bv)
     dw_out = jax.ShapeDtypeStruct(w.shape, w.dtype)
-    if mode == "f32":
+    if mode == "output":
         out_shape = dw_out
     else:
         slab = (G * bv, d.D) if d.transpose_w else (G * d.D, bv)
@@ -459,4 +465,4 @@ def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: b
         grid=(G,), out_shape=out_shape, num_warps=nw,
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
     )(*args)
-    return dx, (dw if mode == "f32" else dw[0])
+    return dx, (dw if mode == "output" else dw[0])
