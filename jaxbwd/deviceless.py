@@ -33,6 +33,7 @@ tools; the registry stays the single list of what is compiled.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -570,12 +571,10 @@ def _device(target: GpuTarget):
     return _TOPOLOGIES[target.name].devices[0]
 
 
-
-def compile_for(fn, *args, gpu: str = "h200"):
-    """``jax.jit(fn)`` compiled for ``gpu`` (a key of :data:`GPUS`) by XLA's GPU compiler on
-    this machine, with the Pallas kernels built for that GPU: the compiled executable, e.g.
-    for ``.memory_analysis()``. Nothing runs. ``args``: arrays or ``jax.ShapeDtypeStruct``s.
-    Needs the ``[compile]`` extra; raises ``KeyError`` for an unknown ``gpu``."""
+@contextlib.contextmanager
+def _targeting(target: GpuTarget):
+    """While active, traces build the Pallas kernels for ``target`` (not interpreted); yields
+    the sharding that places a jitted function's arguments on its abstract device."""
     import warnings
 
     import jax
@@ -583,13 +582,23 @@ def compile_for(fn, *args, gpu: str = "h200"):
     from jaxbwd import config
     from jaxbwd.pallas import _common
 
-    target = GPUS[gpu]
     mesh = jax.sharding.Mesh([_device(target)], ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
+        yield jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def compile_for(fn, *args, gpu: str = "h200"):
+    """``jax.jit(fn)`` compiled for ``gpu`` (a key of :data:`GPUS`) by XLA's GPU compiler on
+    this machine, with the Pallas kernels built for that GPU: the compiled executable, e.g.
+    for ``.memory_analysis()``. Nothing runs. ``args``: arrays or ``jax.ShapeDtypeStruct``s.
+    Needs the ``[compile]`` extra; raises ``KeyError`` for an unknown ``gpu``."""
+    import jax
+
+    with _targeting(GPUS[gpu]) as sharding:
         return jax.jit(fn, in_shardings=sharding).trace(*args).lower().compile()
+
 
 def _s_tile(call) -> Optional[list[int]]:
     """The [rows, cols] of the score tile S one main-loop iteration computes, as an attention
@@ -650,25 +659,16 @@ def mosaic_rows(dump_dir: str) -> list[dict[str, Any]]:
 def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
     """Compiles one case for its GPU without a GPU and returns one row per Pallas kernel
     (Triton kernels from XLA's kernel cache, Mosaic GPU kernels from Mosaic's dumps)."""
-    import warnings
-
     import jax
 
-    from jaxbwd import config
-    from jaxbwd.pallas import _common
-
     target = GPUS[case.gpu]
-    mesh = jax.sharding.Mesh([_device(target)], ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     fn, arrays, op_min_bytes = _case_function(case)
     cache = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", case.id) + f".{time.monotonic_ns()}.kcache")
     mosaic_dir = os.path.join(workdir, "mosaic")
     shutil.rmtree(mosaic_dir, ignore_errors=True)
     os.makedirs(mosaic_dir)
     os.environ.update({k: "1" for k in _MOSAIC_DUMP_ENV}, MOSAIC_GPU_DUMP_TO=mosaic_dir)
-    with config.use(interpret=False), _common.abstract_gpu(target.device_kind, target.core_count), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with _targeting(target) as sharding:
         # keep_unused: a backward that never reads an input (bias_add's x) still takes it.
         traced = jax.jit(fn, in_shardings=sharding, keep_unused=True).trace(*arrays)
         calls = _kernel_calls(traced.jaxpr)
