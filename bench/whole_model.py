@@ -168,9 +168,11 @@ def main(argv=None) -> int:
             print("  (tokamax is not installed: its chunked XLA formulation is not compared)")
         if args.head_memory_gpu:
             fns = {n: f for n, f in head_losses("pallas").items() if not n.startswith("tokamax")}
+            fns.update({f"{n} (xla)": f for n, f in head_losses("xla").items() if n in (
+                "matmul+cross_entropy", "linear_cross_entropy")})
             gpu = table["head_gpu"] = {V: {n: head_temp_bytes_gpu(f, V, args.head_memory_gpu) / 2**20
                                            for n, f in fns.items()} for V in HEAD_VOCABS}
-            print(f"  the same compiled for {args.head_memory_gpu} (Pallas kernels), MiB:")
+            print(f"  the same compiled for {args.head_memory_gpu} (Pallas kernels; \"(xla)\": the XLA paths), MiB:")
             for V, row in gpu.items():
                 print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in fns]))
         print(f"train step ({HEAD_MODEL.n_layers} layers, V={HEAD_MODEL.vocab}): "
