@@ -125,10 +125,12 @@ def _blocks(d: Dims, dtype):
         bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 32 if d.transpose_w else 64, 4)
     else:
         bt, bv, bd, nw = 64, 128, 64, 8
-    bt = min(bt, max(16, C.next_pow2(d.R)))
-    bv = min(bv, max(16, C.next_pow2(d.V)))
-    bd = min(bd, max(16, C.next_pow2(d.D)))
-    return bt, bv, bd, nw
+    return _fit(bt, d.R), _fit(bv, d.V), _fit(bd, d.D), nw
+
+
+def _fit(block: int, n: int) -> int:
+    """A block no wider than ``n`` needs (its power of two), and at least 16 (the dots' minimum)."""
+    return min(block, max(16, C.next_pow2(n)))
 
 
 def _dw_blocks(d: Dims, dtype):
@@ -148,7 +150,7 @@ def _dw_blocks(d: Dims, dtype):
     bt, bv, bd, nw = _blocks(d, dtype)
     if _BLOCKS.get() is not None or jnp.dtype(dtype).itemsize > 2:
         return bt, bv, bd, nw
-    return min(128, max(16, C.next_pow2(d.R))), min(bv, 64), bd, nw
+    return _fit(128, d.R), min(bv, 64), bd, nw
 
 
 def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
