@@ -868,7 +868,7 @@ _SPECS.append(OpSpec(
                    "return_aux", "transpose_w"),
     kernels=("linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"),
     backward="Pallas: fwd lse over (token block, vocab split) tiles; dx kernel over token blocks, dw kernel over "
-             "vocab blocks (one program per SM), both recompute the logit tiles from x, w and the saved max/sum "
+             "vocab blocks (a persistent grid), both recompute the logit tiles from x, w and the saved max/sum "
              "(no [tokens, V] array)",
     examples=(
         _lce_example("6x24@24x37-mean", (6,), 24, 37),

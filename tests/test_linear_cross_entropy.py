@@ -147,7 +147,8 @@ def test_vocabulary_splits_are_combined():
     """The forward grid splits the vocabulary when token blocks are few; the splits' partials
     combine to the unsplit result."""
     d = K.Dims(R=5, D=16, V=300, n_classes=300, eps=0.1, softcap=None, transpose_w=False)
-    assert K._num_splits(d, 16, 16) == 2
+    cfg = K._blocks("linear_cross_entropy_fwd", d, jnp.float32)[4]
+    assert K._num_splits(d, 16, 16, cfg) == 2  # 19 vocabulary blocks, at least 8 per split
     with K.block_sizes(16, 16, 16):
         _check(dict(label_smoothing=0.1, reduction="none"), "pallas", R=5, D=16, V=300)
 

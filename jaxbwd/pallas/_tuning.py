@@ -71,9 +71,43 @@ _ATTENTION = {
     "attention_jvp/h256": _(64, 32, num_warps=8, num_stages=2),
 }
 
+# linear_cross_entropy (its kernels' docstrings): block_m tokens, block_n vocabulary columns,
+# block_k the D chunk of the logit dots; one warpgroup on 64-token tiles, since a second would
+# compute the same rows again (wgmma splits M between warpgroups only from M = 128).
+# Compiled 2026-12-01/02 at the registry shapes, no spills (``python -m jaxbwd compile``).
+_LCE_SM90 = {
+    # 16-bit: 64 x 128 tiles from 64-wide D chunks, 174-255 registers (2 blocks per SM); the
+    # table layout takes 32-wide chunks (its dw's [128, 64] tiles spilled 56 B at 64), which
+    # leave its forward at 166 registers (3 blocks).
+    "linear_cross_entropy_fwd/16bit": _(64, 128, 64, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_fwd/16bit/table": _(64, 128, 32, num_warps=4, num_stages=2, blocks_per_sm=3),
+    "linear_cross_entropy_bwd_dx/16bit": _(64, 128, 64, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dx/16bit/table": _(64, 128, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # dw: 128 tokens x 64 columns per step (the per-program slab of running sums halves; 128
+    # tokens double the flops per byte of its read-modify-write), 254-255 registers.
+    "linear_cross_entropy_bwd_dw/16bit": _(128, 64, 64, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dw/16bit/table": _(128, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # f32 (TF32): 64 x 64 tiles from 32-wide chunks (64 x 128 spilled 8 B at two shapes; dw
+    # at 128 tokens about 1 KB); 128-166 registers in the forward (3-4 blocks per SM),
+    # 167-255 in the backward (2-3).
+    "linear_cross_entropy_fwd/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=3),
+    "linear_cross_entropy_bwd_dx/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dw/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+}
+# sm_80 (mma.sync is per warp, nothing is duplicated): 8 warps spread the 64 x 128 tile over
+# twice the registers (4 warps spilled up to 200 B in the forward); 167-246 registers, one
+# block per SM. dw keeps its 16-bit 128 x 64 step.
+_LCE_SM80 = {
+    "linear_cross_entropy_fwd": _(64, 128, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
+    "linear_cross_entropy_bwd_dx": _(64, 128, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
+    "linear_cross_entropy_bwd_dw": _(64, 128, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
+    "linear_cross_entropy_bwd_dw/16bit": _(128, 64, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
+}
+
 TABLE: dict[str, dict[str, Config]] = {
     "sm_90": {
         **_ATTENTION,
+        **_LCE_SM90,
         # 16-bit dq at 128 query rows: no warpgroup replica, no spills (compiled, H200).
         "attention_bwd_dq/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
         # 16-bit dk/dv: one warpgroup on its 64 key rows instead of two computing the same
@@ -138,6 +172,7 @@ TABLE: dict[str, dict[str, Config]] = {
     },
     "sm_80": {
         **_ATTENTION,
+        **_LCE_SM80,
         # head_dim 64 with a window and softcap (compiled, A100): the sm_90 tiles spilled
         # 32-1400 B in f32 and 40-48 B in 16-bit. 128 query rows on 8 warps for the forward
         # and dq (mma.sync is per warp: 16 rows each), f32 dk/dv at 16 x 32 on 4 warps.
@@ -289,6 +324,14 @@ def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
         bq, bk = min(bq, 64), min(bk, 32)
     bq, bk = min(bq, max(16, C.next_pow2(T))), min(bk, max(16, C.next_pow2(S)))
     return dataclasses.replace(cfg, block_m=bq, block_n=bk)
+
+
+def linear_cross_entropy(kernel: str, dtype, transpose_w: bool) -> Config:
+    """Tiles of a linear_cross_entropy kernel (``linear_cross_entropy_fwd``, ``_bwd_dx`` or
+    ``_bwd_dw``): block_m tokens, block_n vocabulary columns, block_k the D chunk of the
+    logit dots; ``transpose_w`` (w as an embedding table [V, D]) has its own entries."""
+    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    return get(f"{kernel}/{bits}{'/table' if transpose_w else ''}")
 
 
 def column_sum(dtype, kernel: str = "bias_add_dbias") -> Config:

@@ -27,9 +27,9 @@ Backward, with per-token f32 cotangents ``g`` (of the loss, 0 on ignored tokens)
   it recomputes the logit tile and adds ``dz @ w_blk^T`` to its own rows of dx, one D chunk
   at a time (the [block_t, D] sum does not fit in registers, so it lives in the program's
   own rows of global memory: read, add, write, in a fixed order).
-- ``linear_cross_entropy_bwd_dw``: a persistent grid of one program per SM, each walking
-  vocabulary blocks g, g + G, ...; for each token block it recomputes the logit tile and
-  adds ``x_blk^T @ dz`` to its own columns of dw (:func:`_dw_blocks` for its tiles).
+- ``linear_cross_entropy_bwd_dw``: a persistent grid (:func:`_dw_programs`), each program
+  walking vocabulary blocks g, g + G, ...; for each token block it recomputes the logit tile and
+  adds ``x_blk^T @ dz`` to its own columns of dw.
 
 The running sums keep f32 precision without an f32 copy of dx or dw
 (:func:`accumulation`): f32 operands sum in the outputs; bf16 ones as pairs of bf16 values,
@@ -67,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
 NEG_INF = float("-inf")
 
@@ -103,54 +104,21 @@ def block_sizes(block_t: int, block_v: int, block_d: int, dw_programs: Optional[
         _BLOCKS.reset(token)
 
 
-def _blocks(d: Dims, dtype):
-    """(block_t, block_v, block_d, num_warps), chosen from the compiled SASS
-    (``python -m jaxbwd compile``, 2026-12-01; registers without spills at every registry shape).
-
-    Logit tiles of 64 tokens: one Hopper warpgroup (4 warps) runs wgmma with M = 64, the M a
-    warpgroup owns; a second warpgroup would compute the same rows again (wgmma splits M
-    between warpgroups only from M = 128). 16-bit operands on sm_90: 64 x 128 tiles from
-    64-wide D chunks, 240-255 registers, no spills. f32 operands there take 64 x 64 tiles from
-    32-wide D chunks (64 x 128 spilled 8 bytes per thread at two shapes); the table layout
-    (``transpose_w``) takes 32-wide D chunks too (its dw's [128, 64] tiles spilled 56 bytes).
-    On sm_80 (mma.sync
-    is per warp, nothing is duplicated) 8 warps spread the 64 x 128 tile over twice the
-    registers: 4 warps spilled up to 200 bytes per thread in the forward.
-    """
+def _blocks(kernel: str, d: Dims, dtype):
+    """(block_t, block_v, block_d, num_warps, config) of ``kernel``: its tuning-table entry
+    (``_tuning.linear_cross_entropy``, where the compiled figures behind each choice are
+    recorded) with each block clamped to the problem by :func:`_fit`, or the blocks of
+    :func:`block_sizes` when set."""
+    cfg = _tuning.linear_cross_entropy(kernel, dtype, d.transpose_w)
     over = _BLOCKS.get()
     if over is not None:
-        return over[0], over[1], over[2], 4
-    wide = jnp.dtype(dtype).itemsize > 2
-    if C.sm_version() >= 90:
-        bt, bv, bd, nw = (64, 64, 32, 4) if wide else (64, 128, 32 if d.transpose_w else 64, 4)
-    else:
-        bt, bv, bd, nw = 64, 128, 64, 8
-    return _fit(bt, d.R), _fit(bv, d.V), _fit(bd, d.D), nw
+        return over[0], over[1], over[2], 4, cfg
+    return _fit(cfg.block_m, d.R), _fit(cfg.block_n, d.V), _fit(cfg.block_k, d.D), cfg.num_warps, cfg
 
 
 def _fit(block: int, n: int) -> int:
     """A block no wider than ``n`` needs (its power of two), and at least 16 (the dots' minimum)."""
     return min(block, max(16, C.next_pow2(n)))
-
-
-def _dw_blocks(d: Dims, dtype):
-    """The dw kernel's (block_t, block_v, block_d, num_warps): :func:`_blocks`'s, except for
-    16-bit operands: 64 vocabulary columns and 128 tokens per step.
-
-    The kernel's temporary memory is one [D, block_v] accumulator per program (the bf16
-    ``lo`` halves, or f32 for f16; none for f32 operands, which sum in dw itself), so 64
-    columns halve it: 33 MiB at D = 2048 on 132 SMs. Each token step reads and writes a
-    program's whole accumulator, 8 bytes per element (f32, or the 2 + 2 bytes of the bf16
-    pair) against 4 * block_t flops per element: 128 tokens double that ratio to 64 flops per
-    byte and offset the x tiles that 64-column blocks read twice as often (an estimate from
-    the loop structure; no GPU timing exists). Compiled (2026-12-02, registry shapes): 254-255
-    registers on sm_90 with HGMMA, 218-234 on sm_80, no spills; f32 operands at 128 tokens
-    spilled about 1 KB per thread, so they keep :func:`_blocks`'s tiles.
-    """
-    bt, bv, bd, nw = _blocks(d, dtype)
-    if _BLOCKS.get() is not None or jnp.dtype(dtype).itemsize > 2:
-        return bt, bv, bd, nw
-    return _fit(128, d.R), min(bv, 64), bd, nw
 
 
 def _w_tile(d: Dims, w_ref, dc, dmask, cols, cmask):
@@ -212,11 +180,11 @@ def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims,
         C.store(ref, (sp, rows), v, rmask)
 
 
-def _num_splits(d: Dims, bt: int, bv: int) -> int:
-    """Vocabulary splits of the forward grid: enough programs for two per SM
-    (``C.PERSISTENT_PROGRAMS``), each split at least 8 vocabulary blocks long."""
-    nrb, nvb = C.cdiv(d.R, bt), C.cdiv(d.V, bv)
-    return max(1, min(C.cdiv(C.PERSISTENT_PROGRAMS, nrb), nvb // 8))
+def _num_splits(d: Dims, bt: int, bv: int, cfg) -> int:
+    """Vocabulary splits of the forward grid: ``_tuning.split`` fits token blocks x splits to
+    whole waves of the compiled occupancy (``cfg.blocks_per_sm`` per SM), each split at least
+    8 vocabulary blocks long; the partials cost 16 bytes per (split, token)."""
+    return _tuning.split(C.cdiv(d.R, bt), C.cdiv(d.V, bv), cfg, max_waves=8, min_steps=8)
 
 
 def linear_cross_entropy_fwd(x, w, labels, d: Dims, *, with_sum: bool, interpret: bool = False):
@@ -231,15 +199,16 @@ def linear_cross_entropy_fwd(x, w, labels, d: Dims, *, with_sum: bool, interpret
       shifted sum of exponentials, the label's logit (0 where absent) and ``sum(z) / V``
       (0 unless ``with_sum``). Combine the splits with :func:`combine_splits`.
     """
-    bt, bv, bd, nw = _blocks(d, x.dtype)
-    n_split = _num_splits(d, bt, bv)
+    bt, bv, bd, nw, cfg = _blocks("linear_cross_entropy_fwd", d, x.dtype)
+    n_split = _num_splits(d, bt, bv, cfg)
     per_split = C.cdiv(C.cdiv(d.V, bv), n_split)
     vec = jax.ShapeDtypeStruct((n_split, d.R), jnp.float32)
     kernel = functools.partial(_fwd_kernel, d=d, bt=bt, bv=bv, bd=bd, per_split=per_split, with_sum=bool(with_sum))
     nrb = C.cdiv(d.R, bt)
     return C.call(
         kernel, name="linear_cross_entropy_fwd", grid=(nrb, n_split), out_shape=(vec, vec, vec, vec),
-        interpret=interpret, num_warps=nw, num_stages=2, flops=2 * d.R * d.D * d.V, transcendentals=d.R * d.V,
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * d.R * d.D * d.V,
+        transcendentals=d.R * d.V,
         bytes_accessed=C.nbytes(x, labels) + nrb * C.nbytes(w) + 16 * n_split * d.R,
     )(x, w, labels)
 
@@ -357,13 +326,17 @@ def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *lo_r
     lax.fori_loop(1, C.cdiv(d.V, bv), rest, 0)
 
 
-def _dw_programs(d: Dims, bv: int) -> int:
-    """Programs of the dw kernel's persistent grid: one per SM of the target GPU, each walking
-    vocabulary blocks g, g + G, .... On sm_90 two fit per SM by registers, but for 16-bit
-    operands each program holds its own [D, block_v] slab, so programs in flight cost
-    temporary memory; f32 operands have no slab and take the same grid (not tuned)."""
+def _dw_programs(d: Dims, bv: int, cfg, mode: str) -> int:
+    """Programs of the dw kernel's persistent grid, each walking vocabulary blocks g, g + G, ...:
+    as many as the compiled kernel runs at once (``cfg.blocks_per_sm`` per SM), except for
+    16-bit operands, which take one per SM although registers allow two: each of their
+    programs holds its own [D, block_v] slab of running sums, so every program in flight
+    costs temporary memory (two per SM would double the 33 MiB at D = 2048 on 132 SMs)."""
     over = _BLOCKS.get()
-    n = over[3] if over is not None and over[3] else C.num_sms()
+    if over is not None and over[3]:
+        n = over[3]
+    else:
+        n = C.num_sms() * (cfg.blocks_per_sm if mode == "output" else 1)
     return max(1, min(C.cdiv(d.V, bv), n))
 
 
@@ -440,22 +413,23 @@ def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: b
     ``labels`` [R] int32 as for :func:`linear_cross_entropy_fwd`. dx is float32 for f32 and
     f16 operands and bf16 for bf16 ones (see :func:`accumulation`); dw has w's dtype.
     """
-    bt, bv, bd, nw = _blocks(d, x.dtype)
+    bt, bv, bd, nw, cfg = _blocks("linear_cross_entropy_bwd_dx", d, x.dtype)
     mode = accumulation(x.dtype)
     args = (x, w, labels, m, s, g, gl)
     flops = 4 * d.R * d.D * d.V
-    common = dict(interpret=interpret, num_stages=2, flops=flops, transcendentals=d.R * d.V)
+    common = dict(interpret=interpret, flops=flops, transcendentals=d.R * d.V)
     dx_dtype = x.dtype if mode == "pair" else jnp.float32
     dx_out = jax.ShapeDtypeStruct((d.R, d.D), dx_dtype)
     dx = C.call(
         functools.partial(_dx_kernel, d=d, bt=bt, bv=bv, bd=bd), name="linear_cross_entropy_bwd_dx",
         grid=(C.cdiv(d.R, bt),), out_shape=(dx_out, dx_out) if mode == "pair" else dx_out, num_warps=nw,
+        num_stages=cfg.num_stages,
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.R, bt) * C.nbytes(w) + 8 * d.R * d.D * C.cdiv(d.V, bv), **common,
     )(*args)
     if mode == "pair":
         dx = dx[0]
-    bt, bv, bd, nw = _dw_blocks(d, x.dtype)
-    G = _dw_programs(d, bv)
+    bt, bv, bd, nw, cfg = _blocks("linear_cross_entropy_bwd_dw", d, x.dtype)
+    G = _dw_programs(d, bv, cfg, mode)
     dw_out = jax.ShapeDtypeStruct(w.shape, w.dtype)
     if mode == "output":
         out_shape = dw_out
@@ -464,7 +438,7 @@ def linear_cross_entropy_bwd(x, w, labels, m, s, g, gl, d: Dims, *, interpret: b
         out_shape = (dw_out, jax.ShapeDtypeStruct(slab, w.dtype if mode == "pair" else jnp.float32))
     dw = C.call(
         functools.partial(_dw_kernel, d=d, bt=bt, bv=bv, bd=bd, G=G, mode=mode), name="linear_cross_entropy_bwd_dw",
-        grid=(G,), out_shape=out_shape, num_warps=nw,
+        grid=(G,), out_shape=out_shape, num_warps=nw, num_stages=cfg.num_stages,
         bytes_accessed=C.nbytes(*args) + C.cdiv(d.V, bv) * C.nbytes(x) + 8 * d.D * d.V * C.cdiv(d.R, bt), **common,
     )(*args)
     return dx, (dw if mode == "output" else dw[0])
