@@ -65,7 +65,9 @@ MMA_SYNC_ON_SM90 = {
 INST_PER_S = {"attention_fwd": 18, "attention_bwd_dkdv": 27, "attention_bwd_dq": 22}
 # Persistent grids, sized by _tuning.split from the occupancy the tuning table records: the
 # compiled kernels must reach it (else the grid is more than one wave) and fill most of a wave.
-PERSISTENT = {"rms_norm_bwd", "layer_norm_bwd", "bias_add_dbias"}
+# (group_norm_bwd, which shares group_norm_bwd_sums's grid with more blocks per SM, fills
+# 0.64-0.96 of a wave.)
+PERSISTENT = {"rms_norm_bwd", "layer_norm_bwd", "bias_add_dbias", "group_norm_bwd_sums"}
 GPUS = ("h200", "a100")
 MISSING = deviceless.missing_requirements()
 needs_compiler = pytest.mark.skipif(

@@ -34,11 +34,6 @@ warnings.filterwarnings(
 # Largest tile (elements) one program holds per operand: 8192 f32 values over up to
 # 8 warps is 32 registers per thread per operand, which leaves room for x, dy and w.
 MAX_TILE = 8192
-# Programs of a persistent grid (row loops accumulating weight-gradient partials).
-# Two per SM on an H100/H200 (132 SMs); each writes one f32 row of partial sums, so the
-# partial buffer stays small and the final reduction is a cheap deterministic XLA sum.
-PERSISTENT_PROGRAMS = 264
-
 GPU_DEVICE_KIND = "NVIDIA H200"
 GPU_NUM_CORES = 132
 

@@ -104,10 +104,23 @@ _LCE_SM80 = {
     "linear_cross_entropy_bwd_dw/16bit": _(128, 64, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
 }
 
+# group_norm's two kernels (sums, then dx) share one grid of (sample, spatial chunk) programs:
+# block_n = elements of one [block_s, C] tile (4096 f32 values keep x, dy and the recomputed
+# terms in registers; half with the fused SiLU, whose extra terms would otherwise leave one
+# block per SM), blocks_per_sm = the fewer of the two kernels' (compiled, H200 and A100: 72-137
+# registers; the 16-bit sums kernel fits 2 blocks, the fused-SiLU f32 kernels 5).
+_GROUP_NORM = {
+    "group_norm_bwd/16bit": _(0, 4096, num_warps=8, blocks_per_sm=2),
+    "group_norm_bwd/f32": _(0, 4096, num_warps=8, blocks_per_sm=3),
+    "group_norm_bwd/silu/16bit": _(0, 2048, num_warps=8, blocks_per_sm=3),
+    "group_norm_bwd/silu/f32": _(0, 2048, num_warps=8, blocks_per_sm=5),
+}
+
 TABLE: dict[str, dict[str, Config]] = {
     "sm_90": {
         **_ATTENTION,
         **_LCE_SM90,
+        **_GROUP_NORM,
         # 16-bit dq at 128 query rows: no warpgroup replica, no spills (compiled, H200).
         "attention_bwd_dq/h128/16bit": _(128, 64, num_warps=8, num_stages=2),
         # 16-bit dk/dv: one warpgroup on its 64 key rows instead of two computing the same
@@ -169,10 +182,14 @@ TABLE: dict[str, dict[str, Config]] = {
         "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
         "bias_dropout_add_bwd/16bit": _(16, 256, num_warps=4, blocks_per_sm=5),  # 95-96 registers
         "bias_dropout_add_bwd/f32": _(16, 256, num_warps=4, blocks_per_sm=4),  # 101-107 registers
+        # batch_norm's two column sums: block_m rows x block_n channels per step; 80-114
+        # registers (4-6 blocks per SM).
+        "batch_norm_bwd_reduce": _(32, 128, num_warps=4, blocks_per_sm=4),
     },
     "sm_80": {
         **_ATTENTION,
         **_LCE_SM80,
+        **_GROUP_NORM,
         # head_dim 64 with a window and softcap (compiled, A100): the sm_90 tiles spilled
         # 32-1400 B in f32 and 40-48 B in 16-bit. 128 query rows on 8 warps for the forward
         # and dq (mma.sync is per warp: 16 rows each), f32 dk/dv at 16 x 32 on 4 warps.
@@ -209,6 +226,10 @@ TABLE: dict[str, dict[str, Config]] = {
         "bias_add_dbias/f32": _(32, 256, num_warps=4, blocks_per_sm=5),
         "bias_dropout_add_bwd/16bit": _(16, 256, num_warps=4, blocks_per_sm=5),  # 95-96 registers
         "bias_dropout_add_bwd/f32": _(16, 256, num_warps=4, blocks_per_sm=4),  # 101-107 registers
+        # 90-114 registers (4-5 blocks per SM), except 16-bit at 64 channels: 216 registers, 2
+        # blocks, so that grid is two full waves (taking 2 here would leave the others half
+        # a wave).
+        "batch_norm_bwd_reduce": _(32, 128, num_warps=4, blocks_per_sm=4),
     },
 }
 TABLE["sm_100"] = dict(TABLE["sm_90"])

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 from jaxbwd.pallas import elementwise as E
 
 
@@ -55,17 +56,19 @@ def reduce_sums(x, dy, mean, rstd, *, interpret: bool = False):
     """
     R, Cc = x.shape
     C.check_index_range("batch_norm", rows=R, cols=Cc)
-    # Narrow column blocks, tall row blocks: each program streams a thin vertical strip.
-    t = C.RowTiling(R, Cc, block_rows=min(32, C.next_pow2(R)), block_cols=min(C.next_pow2(Cc), 128), num_warps=4)
-    # A bandwidth-bound reduction: about 8 resident programs per SM (4 waves of the persistent
-    # grid's 264) keep enough loads in flight; the f32 partials stay small (G x C x 8 bytes).
-    G = max(1, min(t.num_row_blocks, 4 * C.PERSISTENT_PROGRAMS // t.num_col_blocks))
+    # Narrow column blocks, tall row blocks: each program streams a thin vertical strip. The
+    # row splits G fill one wave of the compiled occupancy (``_tuning.split``); the f32
+    # partials stay small (G x C x 8 bytes).
+    cfg = _tuning.column_sum(x.dtype, "batch_norm_bwd_reduce")
+    t = C.RowTiling(R, Cc, block_rows=min(cfg.block_m, C.next_pow2(R)), block_cols=min(C.next_pow2(Cc), cfg.block_n),
+                    num_warps=cfg.num_warps)
+    G = _tuning.split(t.num_col_blocks, t.num_row_blocks, cfg)
     n_iter = C.cdiv(t.num_row_blocks, G)
     part = jax.ShapeDtypeStruct((G, Cc), jnp.float32)
     sdy, sdyx = C.call(
         functools.partial(_reduce_kernel, t=t, n_iter=n_iter, G=G),
         name="batch_norm_bwd_reduce", grid=(t.num_col_blocks, G), out_shape=[part, part],
-        interpret=interpret, num_warps=t.num_warps, flops=5 * R * Cc,
+        interpret=interpret, num_warps=t.num_warps, num_stages=cfg.num_stages, flops=5 * R * Cc,
         bytes_accessed=C.nbytes(x, dy) + 8 * Cc + 8 * G * Cc,
     )(x, dy, mean, rstd)
     return sdy.sum(axis=0), sdyx.sum(axis=0)

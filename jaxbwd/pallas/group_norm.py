@@ -2,9 +2,9 @@
 
 x is viewed as [N, S, C] (spatial dims flattened). Both kernels run one program per
 (sample n, spatial chunk k): ``rows_per_program`` pixel rows of all C channels, walked in
-[block_s, C] tiles, so every load is a coalesced run of whole pixel rows and the grid has
-about four programs per SM whatever the batch (N * G programs, the earlier layout, is 32 at
-batch 1):
+[block_s, C] tiles, so every load is a coalesced run of whole pixel rows, and the grid fills
+one wave of the compiled occupancy whatever the batch (``_tuning.split``; N * G programs, the
+earlier layout, is 32 at batch 1):
 
     group_norm_bwd_sums:  per (n, k, channel) f32 partials  sum_s(dz)  and  sum_s(dz * x_hat)
     (XLA, [N, K, C]):     dbias = sum(dz), dweight = sum(dz * x_hat) over n, k;
@@ -29,14 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
+from jaxbwd.pallas import _tuning
 
-# Elements per [block_s, C] tile: 4096 f32 values keep x, dy and the recomputed terms in
-# registers; half as many with the fused SiLU, whose extra terms would otherwise leave room
-# for one block per SM (132-136 registers at 4096, compiled for sm_90/sm_80).
-GROUP_TILE = 4096
-GROUP_TILE_SILU = 2048
-# Programs per SM the spatial chunking aims for.
-PROGRAMS_PER_SM = 4
 
 
 def _chunk(x_ref, dy_ref, w, b, mean, rstd, n, k, i, *, S, rows_per_program, block_s, cols, cmask, silu):
@@ -101,14 +95,19 @@ def _dx_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref, 
     jax.lax.fori_loop(0, rows_per_program // block_s, body, 0)
 
 
-def _layout(N: int, S: int, Cc: int, silu: bool):
-    """(block_c, block_s, rows_per_program, K): [block_s, C] tiles, K spatial chunks per sample."""
+def _layout(N: int, S: int, Cc: int, dtype, silu: bool):
+    """(block_c, block_s, rows_per_program, K, num_warps): [block_s, C] tiles of the tuning
+    table's size, K spatial chunks per sample: ``_tuning.split`` fills one wave of the
+    compiled occupancy with N * K programs."""
+    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    cfg = _tuning.get(f"group_norm_bwd/{'silu/' if silu else ''}{bits}")
     block_c = C.next_pow2(Cc)
-    block_s = max(1, min(C.next_pow2(S), (GROUP_TILE_SILU if silu else GROUP_TILE) // block_c))
+    block_s = max(1, min(C.next_pow2(S), cfg.block_n // block_c))
     tiles = C.cdiv(S, block_s)
-    K = max(1, min(tiles, C.cdiv(PROGRAMS_PER_SM * C.num_sms(), N)))
+    K = _tuning.split(N, tiles, cfg)
     rows_per_program = C.cdiv(tiles, K) * block_s
-    return block_c, block_s, rows_per_program, C.cdiv(S, rows_per_program)
+    warps = max(1, min(cfg.num_warps, block_s * block_c // 512))
+    return block_c, block_s, rows_per_program, C.cdiv(S, rows_per_program), warps
 
 
 def group_norm_bwd(x, w, b, dy, mean, rstd, *, num_groups: int, silu: bool, interpret: bool = False):
@@ -125,13 +124,12 @@ def group_norm_bwd(x, w, b, dy, mean, rstd, *, num_groups: int, silu: bool, inte
     G = num_groups
     Cg = Cc // G
     C.check_index_range("group_norm", rows=N * S, cols=Cc)
-    block_c, block_s, rows_per_program, K = _layout(N, S, Cc, silu)
+    block_c, block_s, rows_per_program, K, warps = _layout(N, S, Cc, x.dtype, silu)
     # Per-channel copies of the [N, G] statistics (N*C*8 bytes): one vector load per program.
     mean_c = jnp.repeat(mean.astype(jnp.float32), Cg, axis=1)
     rstd_c = jnp.repeat(rstd.astype(jnp.float32), Cg, axis=1)
     x2, dy2 = x.reshape(N * S, Cc), dy.reshape(N * S, Cc)
     static = dict(S=S, Cc=Cc, rows_per_program=rows_per_program, block_s=block_s, block_c=block_c, silu=silu)
-    warps = max(1, min(8, block_s * block_c // 512))
     part = jax.ShapeDtypeStruct((N * K, Cc), jnp.float32)
     sdz, sdzx = C.call(
         functools.partial(_sums_kernel, K=K, **static), name="group_norm_bwd_sums", grid=(N, K),
