@@ -4,9 +4,12 @@ fastest per tuning-table key as JSON that ``jaxbwd.pallas._tuning.load`` reads
 
 Attention (B=2, N=16, H=128, T=4096, causal, bf16) is timed fwd+bwd, so a dk/dv or dq
 configuration is judged by the whole step it changes; conv2d at the UNet shape
-[8, 64, 64, 320] * 3x3x320x320 (bf16) likewise. TFLOP/s: attention forward 4*B*N*T*S*H
+[8, 64, 64, 320] * 3x3x320x320 (bf16) likewise, and linear_cross_entropy's three kernels by its
+loss and grads at T=8192, D=2048, V=128256 (bf16; against its XLA implementation and the unfused
+``matmul`` + ``cross_entropy``). TFLOP/s: attention forward 4*B*N*T*S*H
 halved when causal, backward 2.5x the forward (FlashAttention convention); conv2d forward
-2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each. Needs a GPU.
+2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each; linear_cross_entropy 2*T*D*V for the
+logits and the same for each gradient. Needs a GPU.
 
     python bench/tune.py --json OUT.json
 """
@@ -31,6 +34,16 @@ SWEEPS = {  # key -> candidate (block_m, block_n, block_k, num_warps, num_stages
     "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2)],
     "conv2d_dgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3)],
     "conv2d_wgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)],
+    # linear_cross_entropy: block_m tokens, block_n vocabulary columns, block_k the D chunk. 128
+    # tokens on 8 warps give each Hopper warpgroup its own 64 rows; dx's read-modify-write of
+    # its running sums per vocabulary block shrinks with block_n; dw's 128 columns double its
+    # slab of sums (temporary memory).
+    "linear_cross_entropy_fwd/16bit": [(64, 128, 64, 4, 2), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2),
+                                       (64, 64, 64, 4, 3)],
+    "linear_cross_entropy_bwd_dx/16bit": [(64, 128, 64, 4, 2), (64, 128, 64, 4, 3), (128, 128, 64, 8, 2),
+                                          (128, 128, 32, 8, 3)],
+    "linear_cross_entropy_bwd_dw/16bit": [(128, 64, 64, 4, 2), (128, 64, 64, 4, 3), (64, 64, 64, 4, 2),
+                                          (128, 128, 64, 8, 2)],
 }
 
 
@@ -56,6 +69,21 @@ def _conv_case():
     }
 
 
+def _linear_cross_entropy_case(T=8192, D=2048, V=128256):
+    x = jax.random.normal(jax.random.PRNGKey(0), (T, D), jnp.bfloat16)
+    w = (0.02 * jax.random.normal(jax.random.PRNGKey(1), (D, V))).astype(jnp.bfloat16)
+    labels = jax.random.randint(jax.random.PRNGKey(2), (T,), 0, V)
+    # Useful flops: the logits and their two gradients (the kernels also recompute the logits
+    # twice in the backward, not counted).
+    flops = 3 * 2 * T * D * V
+    return (x, w, jnp.ones((), jnp.bfloat16)), flops, {  # the loss is in the operands' dtype
+        "jaxbwd": lambda x, w: jaxbwd.linear_cross_entropy(x, w, labels, implementation="pallas"),
+        "xla": lambda x, w: jaxbwd.linear_cross_entropy(x, w, labels, implementation="xla"),
+        "unfused": lambda x, w: jaxbwd.cross_entropy(jaxbwd.matmul(x, w, implementation="pallas"), labels,
+                                                     implementation="pallas"),
+    }
+
+
 def _time(f, args, repeats):
     *inputs, ct = args
     step = jax.jit(lambda *a: jax.vjp(f, *a[:-1])[1](a[-1]))
@@ -71,10 +99,11 @@ def main(argv=None) -> int:
         print("bench/tune.py needs a GPU")
         return 1
     arch = _tuning.arch()
-    cases = {"attention": _attention_case(), "conv2d": _conv_case()}
+    cases = {"attention": _attention_case(), "conv2d": _conv_case(),
+             "linear_cross_entropy": _linear_cross_entropy_case()}
     best, log = {}, []
     for key, candidates in SWEEPS.items():
-        inputs, flops, impls = cases[key.split("_")[0]]
+        inputs, flops, impls = cases[next(c for c in cases if key.startswith(c))]
         timed = []
         for c in candidates:
             over = {f: v for f, v in zip(F, c) if v}
