@@ -11,7 +11,7 @@ halved when causal, backward 2.5x the forward (FlashAttention convention); conv2
 2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each; linear_cross_entropy 2*T*D*V for the
 logits and the same for each gradient. Needs a GPU.
 
-    python bench/tune.py --json OUT.json
+    python bench/tune.py --json OUT.json [--ops attention conv2d linear_cross_entropy]
 """
 from __future__ import annotations
 
@@ -84,6 +84,9 @@ def _linear_cross_entropy_case(T=8192, D=2048, V=128256):
     }
 
 
+CASES = {"attention": _attention_case, "conv2d": _conv_case, "linear_cross_entropy": _linear_cross_entropy_case}
+
+
 def _time(f, args, repeats):
     *inputs, ct = args
     step = jax.jit(lambda *a: jax.vjp(f, *a[:-1])[1](a[-1]))
@@ -94,16 +97,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", metavar="PATH", required=True, help="where to write the fastest configurations")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--ops", nargs="+", choices=CASES, default=list(CASES), help="which ops to sweep and time")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench/tune.py needs a GPU")
         return 1
     arch = _tuning.arch()
-    cases = {"attention": _attention_case(), "conv2d": _conv_case(),
-             "linear_cross_entropy": _linear_cross_entropy_case()}
+    cases = {name: CASES[name]() for name in args.ops}
     best, log = {}, []
     for key, candidates in SWEEPS.items():
-        inputs, flops, impls = cases[next(c for c in cases if key.startswith(c))]
+        op = next(c for c in CASES if key.startswith(c))
+        if op not in cases:
+            continue
+        inputs, flops, impls = cases[op]
         timed = []
         for c in candidates:
             over = {f: v for f, v in zip(F, c) if v}
