@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxbwd
+from jaxbwd.pallas import _tuning
 from jaxbwd.pallas import linear_cross_entropy as K
 from jaxbwd.vjp import linear_cross_entropy as L
 from jaxbwd.vjp._derivatives import FORWARD_MODE
@@ -182,11 +183,43 @@ def test_16bit_sums_across_many_blocks(dtype, transpose_w):
     with K.block_sizes(16, 16, 16, dw_programs=3), L.chunk_size(16):
         got, want = grads("pallas"), grads("xla")
     assert K.accumulation(dtype) == ("pair" if dtype == jnp.bfloat16 else "f32_temp")
+    _assert_within_bf16_ulps(got, want, dtype, 3.0)
+
+
+def _assert_within_bf16_ulps(got, want, dtype, n):
+    """Every element within ``n`` bf16 ulps of the larger of |want| and 1e-3 of its largest."""
     for g, e in zip(got, want):
         assert g.dtype == dtype
         g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
         ulp = np.maximum(np.abs(e), 1e-3 * np.abs(e).max()) * float(jnp.finfo(jnp.bfloat16).eps)
-        np.testing.assert_array_less(np.abs(g - e) / ulp, 3.0)
+        np.testing.assert_array_less(np.abs(g - e) / ulp, n)
+
+
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+@pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
+def test_tuning_table_tiles(arch, transpose_w, monkeypatch):
+    """The tuning table's own tiles, no block override (f32: 64 x 64 x 32 on sm_90, 64 x 128
+    x 64 on 8 warps on sm_80): several token, vocabulary and D blocks in every kernel, with
+    ragged tails; the forward's splits and dw's persistent grid from the table's occupancy."""
+    monkeypatch.setattr(_tuning, "arch", lambda: arch)
+    _check(dict(label_smoothing=0.1, logit_softcap=4.0), "pallas", transpose_w=transpose_w, R=150, D=150, V=300)
+
+
+@pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
+def test_tuning_table_tiles_16bit(transpose_w, monkeypatch):
+    """The sm_90 16-bit tiles, no override: 64 x 128 (dw 128 x 64) from 64-wide D chunks (32
+    in the table layout), several blocks of each, within the bound of the many-block test."""
+    monkeypatch.setattr(_tuning, "arch", lambda: "sm_90")
+    x, w, labels, _ = _inputs(5, R=150, D=150, V=300, dtype=jnp.bfloat16)
+    wl = w.T if transpose_w else w
+
+    def grads(impl):
+        loss = lambda x, w: jaxbwd.linear_cross_entropy(  # noqa: E731
+            x, w, labels, transpose_w=transpose_w, reduction="sum", implementation=impl)
+        return jax.grad(loss, (0, 1))(x, wl)
+
+    with L.chunk_size(64):
+        _assert_within_bf16_ulps(grads("pallas"), grads("xla"), jnp.bfloat16, 3.0)
 
 
 @pytest.mark.parametrize("impl", ("xla", "pallas"))
