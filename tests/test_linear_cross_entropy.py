@@ -200,7 +200,8 @@ def _assert_within_bf16_ulps(got, want, dtype, n):
 def test_tuning_table_tiles(arch, transpose_w, monkeypatch):
     """The tuning table's own tiles, no block override (f32: 64 x 64 x 32 on sm_90, 64 x 128
     x 64 on 8 warps on sm_80): several token, vocabulary and D blocks in every kernel, with
-    ragged tails; the forward's splits and dw's persistent grid from the table's occupancy."""
+    ragged tails. (At this V the forward has one split and each dw program one vocabulary
+    block; several of each are tested under ``block_sizes`` above.)"""
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     _check(dict(label_smoothing=0.1, logit_softcap=4.0), "pallas", transpose_w=transpose_w, R=150, D=150, V=300)
 

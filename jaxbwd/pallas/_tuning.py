@@ -7,11 +7,14 @@ gives the block sizes, warps and pipeline stages for the current architecture
 takes the sm_90 entries, which are the ones compiled and checked for it so far.
 
 ``blocks_per_sm`` is the occupancy the compiled kernel reaches at that configuration, read
-from its registers and shared memory by ``python -m jaxbwd compile`` (column ``blk/SM``).
-Grids that are persistent or split along a reduction are sized from it and the SM count
-by one helper, :func:`split`; the compile gates (``tests/test_compile.py``) check that the
-norms' and bias_add's compiled kernels still reach the occupancy the table assumes (their
-persistent grids stay within one wave).
+from its registers and shared memory by ``python -m jaxbwd compile`` (column ``blk/SM``;
+the lowest over the registry's shapes). Grids that are persistent or split along a reduction
+are sized from it and the SM count by one helper, :func:`split` (linear_cross_entropy's dw,
+one program per slot, takes ``blocks_per_sm * num_sms`` directly); the compile gates
+(``tests/test_compile.py``) check that the persistent grids of the norms, bias_add,
+group_norm's sums and linear_cross_entropy's f32 dw still reach the occupancy the table
+assumes (they stay within one wave). The other grids sized from the table are not gated:
+a kernel that compiles to fewer blocks per SM than its entry says runs more waves.
 
 A JSON file of measured winners (``bench/gpu_check.sh`` writes one) overrides entries:
 ``{"sm_90": {"conv2d_dgrad/16bit": {"block_k": 128, "num_stages": 4}}}``; it is read from

@@ -57,8 +57,8 @@ def reduce_sums(x, dy, mean, rstd, *, interpret: bool = False):
     R, Cc = x.shape
     C.check_index_range("batch_norm", rows=R, cols=Cc)
     # Narrow column blocks, tall row blocks: each program streams a thin vertical strip. The
-    # row splits G fill one wave of the compiled occupancy (``_tuning.split``); the f32
-    # partials stay small (G x C x 8 bytes).
+    # row splits G fill one wave of the table's occupancy (``_tuning.split``; the table says
+    # where a shape compiles to fewer blocks); the f32 partials stay small (G x C x 8 bytes).
     cfg = _tuning.column_sum(x.dtype, "batch_norm_bwd_reduce")
     t = C.RowTiling(R, Cc, block_rows=min(cfg.block_m, C.next_pow2(R)), block_cols=min(C.next_pow2(Cc), cfg.block_n),
                     num_warps=cfg.num_warps)

@@ -2,9 +2,10 @@
 
 x is viewed as [N, S, C] (spatial dims flattened). Both kernels run one program per
 (sample n, spatial chunk k): ``rows_per_program`` pixel rows of all C channels, walked in
-[block_s, C] tiles, so every load is a coalesced run of whole pixel rows, and the grid fills
-one wave of the compiled occupancy whatever the batch (``_tuning.split``; N * G programs, the
-earlier layout, is 32 at batch 1):
+[block_s, C] tiles, so every load is a coalesced run of whole pixel rows. ``_tuning.split``
+sizes K to one wave of the sums kernel's compiled occupancy when the batch allows (the dx
+kernel, with more blocks per SM, fills part of its wave; N * G programs, the earlier layout,
+is 32 at batch 1):
 
     group_norm_bwd_sums:  per (n, k, channel) f32 partials  sum_s(dz)  and  sum_s(dz * x_hat)
     (XLA, [N, K, C]):     dbias = sum(dz), dweight = sum(dz * x_hat) over n, k;

@@ -182,8 +182,8 @@ def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims,
 
 def _num_splits(d: Dims, bt: int, bv: int, cfg) -> int:
     """Vocabulary splits of the forward grid: ``_tuning.split`` fits token blocks x splits to
-    whole waves of the compiled occupancy (``cfg.blocks_per_sm`` per SM), each split at least
-    8 vocabulary blocks long; the partials cost 16 bytes per (split, token)."""
+    whole waves of the compiled occupancy (``cfg.blocks_per_sm`` per SM), with splits of at
+    least 8 vocabulary blocks (but the last); the partials cost 16 bytes per (split, token)."""
     return _tuning.split(C.cdiv(d.R, bt), C.cdiv(d.V, bv), cfg, max_waves=8, min_steps=8)
 
 
