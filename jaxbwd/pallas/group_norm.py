@@ -33,7 +33,6 @@ from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import _tuning
 
 
-
 def _chunk(x_ref, dy_ref, w, b, mean, rstd, n, k, i, *, S, rows_per_program, block_s, cols, cmask, silu):
     """Tile i of program (n, k): its rows of [N*S, C], mask, x_hat and dz (f32)."""
     s = k * rows_per_program + i * block_s + jnp.arange(block_s)
