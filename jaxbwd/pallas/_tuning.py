@@ -306,6 +306,16 @@ if os.environ.get("JAXBWD_TUNING"):
 # ------------------------------------------------------------------------ heuristics
 
 
+def _bits(dtype) -> str:
+    """The table's dtype variant: ``"16bit"`` (bf16, f16) or ``"f32"``."""
+    return "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+
+
+def group_norm(dtype, silu: bool) -> Config:
+    """group_norm's backward grid and tile (block_n elements per [block_s, C] tile)."""
+    return get(f"group_norm_bwd/{'silu/' if silu else ''}{_bits(dtype)}")
+
+
 def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps: int = 1,
           max_split: int | None = None) -> int:
     """Programs per tile for ``tiles`` independent reductions of ``steps`` sequential steps
@@ -341,7 +351,7 @@ def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
     block_n key rows, capped at the (power-of-two padded) sequence lengths; halved under
     3xTF32, which splits each f32 tile in two (shared memory)."""
     h = 64 if Hp <= 64 else 128 if Hp <= 128 else 256
-    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    bits = _bits(dtype)
     cfg = get(f"{kind}/h{h}/{bits}")
     bq, bk = cfg.block_m, cfg.block_n
     if bits == "f32" and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
@@ -354,19 +364,18 @@ def linear_cross_entropy(kernel: str, dtype, transpose_w: bool) -> Config:
     """Tiles of a linear_cross_entropy kernel (``linear_cross_entropy_fwd``, ``_bwd_dx`` or
     ``_bwd_dw``): block_m tokens, block_n vocabulary columns, block_k the D chunk of the
     logit dots; ``transpose_w`` (w as an embedding table [V, D]) has its own entries."""
-    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
-    return get(f"{kernel}/{bits}{'/table' if transpose_w else ''}")
+    return get(f"{kernel}/{_bits(dtype)}{'/table' if transpose_w else ''}")
 
 
 def column_sum(dtype, kernel: str = "bias_add_dbias") -> Config:
     """Tiles of a column-sum kernel (block_m rows x block_n columns per step): bias_add's
     ``bias_add_dbias`` or a fused one such as ``bias_dropout_add_bwd``."""
-    return get(f"{kernel}/{'16bit' if jnp.dtype(dtype).itemsize == 2 else 'f32'}")
+    return get(f"{kernel}/{_bits(dtype)}")
 
 
 def conv(kernel: str, dtype, depthwise: bool) -> Config:
     """Tiles of ``conv2d_dgrad``/``conv2d_wgrad`` (dimensions in conv.py's docstring)."""
-    variant = "depthwise" if depthwise else "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
+    variant = "depthwise" if depthwise else _bits(dtype)
     return get(f"{kernel}/{variant}")
 
 

@@ -99,8 +99,7 @@ def _layout(N: int, S: int, Cc: int, dtype, silu: bool):
     """(block_c, block_s, rows_per_program, K, num_warps): [block_s, C] tiles of the tuning
     table's size, K spatial chunks per sample: ``_tuning.split`` fills one wave of the
     compiled occupancy with N * K programs."""
-    bits = "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
-    cfg = _tuning.get(f"group_norm_bwd/{'silu/' if silu else ''}{bits}")
+    cfg = _tuning.group_norm(dtype, silu)
     block_c = C.next_pow2(Cc)
     block_s = max(1, min(C.next_pow2(S), cfg.block_n // block_c))
     tiles = C.cdiv(S, block_s)
