@@ -126,19 +126,37 @@ def _check_implementation(implementation, op=None, per_call=False):
         )
 
 
-def _check_backend(pallas_backend):
+def check_implementation(implementation: Optional[str], where: str, *, per_call: bool = True) -> None:
+    """Checks an ``implementation`` value where it is given rather than where it is first used
+    (the modules in :mod:`jaxbwd.nn` check theirs when built).
+
+    Args:
+      implementation: the value to check.
+      where: what took it, for the message (``"nn.LayerNorm"`` -> ``jaxbwd.nn.LayerNorm: ...``).
+      per_call: also accept ``"pallas:triton"``/``"pallas:mosaic"`` (an op's own argument;
+        :func:`use` and :func:`set_default` take only None, ``"auto"``, ``"pallas"``, ``"xla"``).
+
+    Raises:
+      ValueError: ``implementation`` is not one of those values.
+    """
+    if not per_call and implementation == "auto":
+        return
+    _check_implementation(implementation, where, per_call=per_call)
+
+
+def _check_backend(pallas_backend, where="config"):
     if pallas_backend not in PALLAS_BACKENDS:
-        raise ValueError(f"jaxbwd: pallas_backend must be one of {PALLAS_BACKENDS}, got {pallas_backend!r}")
+        raise ValueError(f"jaxbwd.{where}: pallas_backend must be one of {PALLAS_BACKENDS}, got {pallas_backend!r}")
 
 
-def _merged(implementation, interpret, pallas_backend=_UNSET) -> _Settings:
+def _merged(implementation, interpret, pallas_backend=_UNSET, where="config") -> _Settings:
     cur = _current()
     if implementation is not _UNSET:
         if implementation == "auto":
             implementation = None
-        _check_implementation(implementation)
+        _check_implementation(implementation, where)
     if pallas_backend is not _UNSET:
-        _check_backend(pallas_backend)
+        _check_backend(pallas_backend, where)
     return _Settings(
         cur.implementation if implementation is _UNSET else implementation,
         cur.interpret if interpret is _UNSET else bool(interpret),
@@ -160,7 +178,7 @@ def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas
       ValueError: ``implementation`` or ``pallas_backend`` is not one of those values.
     """
     global _default
-    _default = _merged(implementation, interpret, pallas_backend)
+    _default = _merged(implementation, interpret, pallas_backend, "config.set_default")
 
 
 @contextlib.contextmanager
@@ -174,7 +192,7 @@ def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend
       ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``;
         ``pallas_backend`` is not ``"triton"`` or ``"mosaic"``.
     """
-    token = _override.set(_merged(implementation, interpret, pallas_backend))
+    token = _override.set(_merged(implementation, interpret, pallas_backend, "config.use"))
     try:
         yield
     finally:

@@ -164,3 +164,107 @@ def test_unsplittable_huge_input_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"jaxbwd.silu: rows = 4294967311 exceeds the kernels' int32 index range"):
         _common.as_2d("silu", (2**32 + 15,))
+
+
+# ------------------------------------------------- integers past int32, float64 on the kernels
+
+
+def test_row_slice_traced_start_past_int32_clamps():
+    # Clamped to [0, R - size] in start's own dtype (a cast to int32 first would wrap).
+    xs = jnp.arange(40.0).reshape(10, 4)
+    for start, first in ((jnp.uint32(2**31 + 1), 6), (jnp.uint8(200), 6), (jnp.int8(-3), 0), (jnp.int16(3), 3)):
+        want = xs[first:first + 4]
+        for impl in ("xla", "pallas"):
+            got = jax.jit(lambda s: jaxbwd.row_slice(xs, s, 4, implementation=impl))(start)  # noqa: B023
+            chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rope_positions_past_int32_do_not_wrap(impl):
+    # The angle is float32(position) * inv_freq: positions past int32 (a static start_pos,
+    # uint32 or, with x64, int64 ids) give the angles of float32 positions, not of wrapped ones.
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 1, 16), f32)
+    at = lambda p: jaxbwd.rope(x, positions=jnp.asarray(p, f32), implementation=impl)  # noqa: E731
+    wide = np.arange(8, dtype=np.float64)
+    _close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0)  # noqa: E731
+    _close(jaxbwd.rope(x, start_pos=2**40, implementation=impl), at(wide + 2**40))
+    _close(jaxbwd.rope(x, positions=jnp.arange(8, dtype=jnp.uint32) + jnp.uint32(2**31 + 5), implementation=impl),
+           at(wide + 2**31 + 5))
+    with jax.enable_x64(True):
+        got = jaxbwd.rope(x, positions=jnp.arange(8, dtype=jnp.int64) + 2**32, implementation=impl)
+        g = jax.grad(lambda x: jnp.sum(jaxbwd.rope(x, start_pos=jnp.int64(2**33), implementation=impl) ** 2))(x)
+    _close(got, at(wide + 2**32))
+    assert not np.allclose(np.asarray(got), np.asarray(jaxbwd.rope(x, implementation=impl)))
+    np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(x), rtol=1e-5, atol=1e-5)  # a rotation
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_64bit_segment_ids_equal_only_when_equal(impl):
+    # 0 and 2**32 are different segments (a cast to int32 would merge them).
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 1, 16), f32)
+    run = lambda seg: jaxbwd.dot_product_attention(q, q, q, segment_ids=seg, implementation=impl)  # noqa: E731
+    want = run(jnp.array([[0] * 4 + [1] * 4], i32))
+    with jax.enable_x64(True):
+        got = run(jnp.array([[0] * 4 + [2**32] * 4], jnp.int64))
+        pair = run((jnp.array([[-5] * 4 + [2**40] * 4], jnp.int64), jnp.array([[-5] * 4 + [2**40] * 4], jnp.int64)))
+        with pytest.raises(TypeError, match="dot_product_attention: segment_ids.0. and segment_ids.1. must have dtypes"):
+            run((jnp.ones((1, 8), jnp.int64), jnp.ones((1, 8), jnp.uint64)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pair), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_float64_takes_xla_unless_pallas_is_named():
+    # The kernels compute in float32: a float64 input runs XLA's formulas (float64
+    # accuracy) under the default, and asking for the kernels by name is an error.
+    with jax.enable_x64(True):
+        q = jax.random.normal(jax.random.PRNGKey(1), (1, 8, 2, 16), jnp.float64)
+        want = jaxbwd.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+        with jaxbwd.config.use(implementation="pallas"):
+            got = jaxbwd.dot_product_attention(q, q, q, is_causal=True)
+            g = jax.grad(lambda x: jnp.sum(jaxbwd.silu(x) ** 2))(q)
+        gw = jax.grad(lambda x: jnp.sum(jaxbwd.silu(x, implementation="xla") ** 2))(q)
+        with pytest.raises(TypeError, match=r"dot_product_attention: implementation='pallas' has no float64 kernels"):
+            jaxbwd.dot_product_attention(q, q, q, implementation="pallas")
+        with pytest.raises(TypeError, match=r"jaxbwd.silu: implementation='pallas' has no float64 kernels"):
+            jaxbwd.silu(q, implementation="pallas")
+    assert got.dtype == jnp.float64
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal(g, gw)
+
+
+def test_head_dim_past_256_takes_xla_unless_pallas_is_named():
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 1, 264), f32)
+    want = jaxbwd.dot_product_attention(q, q, q, implementation="xla")
+    with jaxbwd.config.use(implementation="pallas"):
+        chex.assert_trees_all_equal(jaxbwd.dot_product_attention(q, q, q), want)
+    with pytest.raises(ValueError, match=r"dot_product_attention: q's head dim H must be <= 256 for the Pallas kernels, got H=264"):
+        jaxbwd.dot_product_attention(q, q, q, implementation="pallas")
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+@pytest.mark.parametrize("padding,error", [(((1.7, 0), (0, 0)), TypeError), (((True, 0), (0, 0)), TypeError),
+                                           (((-1, 0), (0, 0)), ValueError), (((1,), (0, 0)), ValueError)])
+def test_pool_padding_must_be_non_negative_ints(pool, padding, error):
+    x = jnp.ones((2, 8, 8, 4), f32)
+    with pytest.raises(error, match=rf"jaxbwd.{pool}: padding must be .* with non-negative ints"):
+        getattr(jaxbwd, pool)(x, 2, 1, padding)
+
+
+@pytest.mark.parametrize("where", [(16,), (2,), (2, 8, 16, 1), (2, 7)])
+def test_cross_entropy_where_of_another_shape_is_named(where):
+    with pytest.raises(ValueError, match=r"jaxbwd.cross_entropy: where must have logits' shape \(2, 8, 16\) or logits' "
+                                         rf"shape without the class axes \(2, 8\), got \({', '.join(map(str, where))},?\)"):
+        jaxbwd.cross_entropy(jnp.zeros((2, 8, 16)), jnp.zeros((2, 8), i32), where=jnp.ones(where, bool))
+
+
+def test_cross_entropy_labels_message_names_the_class_axis():
+    with pytest.raises(ValueError, match=r"labels must have shape \(16,\) \(logits' shape without the class axis\), got \(4,\)"):
+        jaxbwd.cross_entropy(jnp.zeros((4, 16)), jnp.zeros((4,), i32), axis=0)
+
+
+def test_config_errors_name_the_setter():
+    with pytest.raises(ValueError, match=r"jaxbwd.config.use: implementation must be"):
+        with jaxbwd.config.use(implementation="gpu"):
+            pass
+    with pytest.raises(ValueError, match=r"jaxbwd.config.set_default: pallas_backend must be one of"):
+        jaxbwd.config.set_default(pallas_backend="cuda")

@@ -41,9 +41,26 @@ def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
     Empty inputs (any of ``arrays`` with a zero-size dimension) take the XLA formulas: their
     outputs and gradients are empty, so there is no work for a kernel to do, and launching
     one with an empty grid is not allowed.
+
+    float64 inputs take the XLA formulas too: the kernels compute in float32, so a float64
+    result from them would carry float32 accuracy. Asking for the kernels by name for such
+    inputs (``implementation="pallas"`` in the call) is an error rather than a silent fallback.
+
+    Raises:
+      ValueError: an unknown implementation name.
+      TypeError: ``implementation="pallas"`` (or ``"pallas:<backend>"``) with a float64 input.
     """
     kind = config.resolve(implementation, op)
     if any(getattr(a, "size", 1) == 0 for a in arrays):
+        kind = "xla"
+    f64 = next((a for a in arrays if getattr(a, "dtype", None) == jnp.float64), None)
+    if kind == "pallas" and f64 is not None:
+        if implementation is not None:
+            raise TypeError(
+                f"jaxbwd.{op}: implementation={implementation!r} has no float64 kernels (they "
+                f"compute in float32), got a float64 input of shape {tuple(f64.shape)}; use "
+                "implementation='xla' (or None) for float64"
+            )
         kind = "xla"
     backend = "triton"
     if kind == "pallas":
@@ -74,8 +91,8 @@ def check_float(op: str, name: str, x: Any) -> None:
     check_array(op, name, x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
-            f"jaxbwd.{op}: {name} must have a floating dtype (float32, bfloat16, float16), "
-            f"got {_dtype_name(x)}"
+            f"jaxbwd.{op}: {name} must have a floating dtype (float32, bfloat16, float16; float64 "
+            f"runs the XLA implementation), got {_dtype_name(x)}"
         )
 
 

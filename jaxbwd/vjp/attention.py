@@ -307,7 +307,7 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
                 )
             B.check_shape(OP, "segment_ids", segment_ids, (Bsz, T), what="([B, T])")
             qseg = kseg = segment_ids
-        qseg, kseg = qseg.astype(jnp.int32), kseg.astype(jnp.int32)
+        qseg, kseg = _segment_ids_int32(qseg, kseg)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{OP}: is_causal must be a Python bool, got {is_causal!r}")
     scale = H ** -0.5 if scale is None else B.check_static_number(OP, "scale", scale)
@@ -337,6 +337,27 @@ def _check_dense(name, x, shape):
     except ValueError:
         pass
     raise ValueError(f"jaxbwd.{OP}: {name} must broadcast to [B, N, T, S] = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def _segment_ids_int32(qseg, kseg):
+    """The ids as int32, equal exactly where the given ids are equal.
+
+    A cast keeps that for 32-bit ids (it is one-to-one), not for 64-bit ones (2**32 and 0
+    would meet). Those are replaced by their rank among all the ids given, one sort of
+    B * (T + S) values; ranks keep the ids' order too, so blocks of sorted ids stay
+    contiguous ranges for the kernels' block skipping.
+    """
+    if jnp.dtype(qseg.dtype).itemsize <= 4 and jnp.dtype(kseg.dtype).itemsize <= 4:
+        return qseg.astype(jnp.int32), kseg.astype(jnp.int32)
+    dt = jnp.promote_types(qseg.dtype, kseg.dtype)
+    if not jnp.issubdtype(dt, jnp.integer):  # int64 with uint64: no integer type holds both
+        raise TypeError(
+            f"jaxbwd.{OP}: segment_ids[0] and segment_ids[1] must have dtypes with a common "
+            f"integer type, got {qseg.dtype} and {kseg.dtype}"
+        )
+    ids = jnp.concatenate([qseg.ravel().astype(dt), kseg.ravel().astype(dt)])
+    rank = jnp.searchsorted(jnp.sort(ids), ids).astype(jnp.int32)
+    return rank[:qseg.size].reshape(qseg.shape), rank[qseg.size:].reshape(kseg.shape)
 
 
 def _check_lengths(name, x, Bsz, n):
@@ -432,7 +453,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       logit_softcap: static positive float c: logits -> c * tanh(logits / c) before bias
         and masking (Gemma 2).
       A row that only these extras leave without a key gives 0 and zero gradients.
-      implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
+      implementation: ``None`` (Pallas on GPU, XLA elsewhere; XLA also for head dims past
+        256 and float64), ``"pallas"`` or ``"xla"``.
 
     Paths: without ``bias``/``mask`` the flash kernels (or the blockwise XLA scan) run and
     handle is_causal, local windows (``(l, r)`` with ``is_causal``, ``r == 0`` or ``l == r``:
@@ -457,8 +479,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         segment_ids or seq lengths of the wrong shape, bias/mask not broadcastable to
         [B, N, T, S], sliding_window <= 0, a negative or malformed local_window_size, both
         local_window_size and sliding_window,
-        logit_softcap <= 0, scale or logit_softcap not finite, head dim > 256 on the Pallas
-        path, unknown implementation.
+        logit_softcap <= 0, scale or logit_softcap not finite, head dim > 256 with
+        ``implementation="pallas"`` (with None it runs the XLA path), unknown implementation.
 
     Source: Dao, "FlashAttention-2" (2023), Algorithm 1 (forward with logsumexp) and
     Algorithm 2 (backward recomputing P from the logsumexp); Gemma Team, "Gemma 2" (2024) for
@@ -526,10 +548,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                                       _Cfg(scale, causal, window if lr is None else None, softcap, False, impl))
     else:
         if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
-            raise ValueError(
-                f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas kernels, "
-                f"got H={q.shape[-1]} (use implementation='xla')"
-            )
+            if implementation is not None:  # asked for by name: say so rather than fall back
+                raise ValueError(
+                    f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas "
+                    f"kernels, got H={q.shape[-1]} (use implementation='xla' or None)"
+                )
+            impl = B.Impl("xla", impl.interpret)
         if kvlen is not None:
             # Keys past the length get an id no query holds: masked in-kernel, no dense mask.
             qseg = jnp.zeros((Bsz, T), jnp.int32) if qseg is None else qseg

@@ -208,6 +208,13 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 _cross_entropy.deftangent(_cross_entropy_tangent)
 
 
+def _broadcasts(shape, to) -> bool:
+    try:
+        return jnp.broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False
+
+
 def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing):
     """optax's ``axis``/``where`` conventions folded into a last-axis problem: class axes
     moved last and flattened; masked classes become -inf logits, rows without any class
@@ -232,7 +239,14 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
         B.check_array(op, "where", where)
         if B.check_static_number(op, "label_smoothing", label_smoothing) != 0.0:
             raise ValueError(f"jaxbwd.{op}: where needs label_smoothing == 0, got {label_smoothing!r}")
-        if where.ndim != logits.ndim:
+        row_shape = tuple(logits.shape[i] for i in rest)
+        if where.ndim not in (len(rest), logits.ndim) or (
+                where.ndim == len(rest) and not _broadcasts(where.shape, row_shape)):
+            raise ValueError(
+                f"jaxbwd.{op}: where must have logits' shape {tuple(logits.shape)} or logits' shape "
+                f"without the class axes {row_shape}, got {tuple(where.shape)}"
+            )
+        if where.ndim == len(rest):
             where = jnp.expand_dims(where, axes)
         logits = B.apply_where(op, "logits", logits, where)
     logits = last(logits)
@@ -326,7 +340,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
         logits, labels = _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing)
     B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
     B.check_int(op, "labels", labels)
-    B.check_shape(op, "labels", labels, logits.shape[:-1], what="(logits.shape[:-1])")
+    B.check_shape(op, "labels", labels, logits.shape[:-1],
+                  what="(logits' shape without the class axis)" if axis != -1 else "(logits.shape[:-1])")
     if logits.shape[-1] < 1:
         raise ValueError(f"jaxbwd.{op}: logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
     ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)

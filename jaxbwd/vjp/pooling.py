@@ -46,9 +46,13 @@ def _pads(op, padding, hw, window, strides):
             raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)), got {padding!r}")
         return tuple(tuple(p) for p in lax.padtype_to_pads(hw, window, strides, padding.upper()))
     try:
-        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+        pads = tuple((lo, hi) for lo, hi in padding)
     except (TypeError, ValueError):
         pads = ()
+    if len(pads) == 2 and not all(B.is_static_int(p) for pair in pads for p in pair):
+        raise TypeError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with "
+                        f"non-negative ints, got {padding!r}")
+    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
     if len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
         raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with "
                          f"non-negative ints, got {padding!r}")
@@ -164,9 +168,9 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
     row-major order, as XLA's own gradient.
 
     Raises:
-      TypeError: x not floating; window_shape/strides not ints. ValueError: x not rank 4;
-      window_shape/strides not one int or two, or below 1; bad padding; a window larger
-      than the padded input; unknown implementation.
+      TypeError: x not floating; window_shape, strides or padding amounts not ints.
+      ValueError: x not rank 4; window_shape/strides not one int or two, or below 1; bad
+      padding; a window larger than the padded input; unknown implementation.
 
     Source: max pooling as in ``flax.linen.max_pool`` / ``lax.reduce_window``.
     """

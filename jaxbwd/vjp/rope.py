@@ -2,9 +2,9 @@
 
 Forward (XLA): angles ``pos * inv_freq`` with ``inv_freq = theta**(-2i/H)`` (optionally
 rescaled as Llama 3.1) in float32 (float64 for float64 x), the rotation applied in f32 and
-cast back. Saved for the backward: the positions [B, T] only (int32, or float32 when
-fractional or interpolated); the op is linear in x, so neither x nor cos/sin tables are
-kept. Backward: the Pallas ``rope_bwd`` kernel (angles and their cos/sin recomputed in f32
+cast back. Saved for the backward: the positions [B, T] only (int32; float32 when
+fractional, interpolated or past int32); the op is linear in x, so neither x nor cos/sin
+tables are kept. Backward: the Pallas ``rope_bwd`` kernel (angles and their cos/sin recomputed in f32
 in registers once per position and pair, reused across the heads) or the same rotation in
 XLA.
 """
@@ -23,6 +23,17 @@ from jaxbwd.pallas import rope as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
 from jaxbwd import sharding as S
+
+
+_I32 = np.iinfo(np.int32)
+
+
+def _fits_int32(dtype) -> bool:
+    """An integer dtype every value of which int32 holds (int8-int32, uint8, uint16)."""
+    if not jnp.issubdtype(dtype, jnp.integer):
+        return False
+    info = jnp.iinfo(dtype)
+    return _I32.min <= int(info.min) and int(info.max) <= _I32.max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +149,8 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     Returns:
       [B, T, N, H] in x's dtype; angles and rotation computed in float32.
 
-    Residuals: the positions [B, T], int32 (float32 when fractional or scale_factor != 1);
+    Residuals: the positions [B, T], int32 (float32 when fractional, scale_factor != 1, or
+    of a dtype int32 cannot hold: int64, uint32, uint64);
     no x, no cos/sin tables. Rescaled frequencies are recomputed in the backward and read
     by the kernel as one [H/2] vector.
 
@@ -169,15 +181,21 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
         raise TypeError(f"jaxbwd.{op}: interleaved must be a static bool, got {interleaved!r}")
     if positions is not None and (not B.is_static_int(start_pos) or start_pos != 0):
         raise ValueError(f"jaxbwd.{op}: give positions or start_pos, not both (got positions and start_pos={start_pos!r})")
+    # Positions reach the kernels as int32, or as float32 where int32 cannot hold them (a
+    # 64-bit or uint32 dtype, a static start past int32): the angle is float32(position) *
+    # inv_freq either way, so only the wrap of a narrowing cast is avoided.
     if positions is None:
         if B.is_static_int(start_pos):
-            start = jnp.int32(start_pos)
+            if _I32.min <= int(start_pos) and int(start_pos) + T - 1 <= _I32.max:
+                pos = jnp.int32(start_pos) + jnp.arange(T, dtype=jnp.int32)
+            else:  # float64 holds every start below 2**53 exactly; one rounding to float32
+                pos = jnp.asarray((np.arange(T, dtype=np.float64) + float(start_pos)).astype(np.float32))
         else:
             B.check_int(op, "start_pos", start_pos)
             if jnp.ndim(start_pos) != 0:
                 raise ValueError(f"jaxbwd.{op}: start_pos must be a scalar, got shape {tuple(jnp.shape(start_pos))}")
-            start = start_pos.astype(jnp.int32)
-        pos = start + jnp.arange(T, dtype=jnp.int32)
+            pos = start_pos + jnp.arange(T, dtype=start_pos.dtype)
+            pos = pos.astype(jnp.int32 if _fits_int32(pos.dtype) else jnp.float32)
     else:
         B.check_array(op, "positions", positions)
         if not (jnp.issubdtype(positions.dtype, jnp.integer) or jnp.issubdtype(positions.dtype, jnp.floating)):
@@ -187,7 +205,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
                 f"jaxbwd.{op}: positions must have shape ({T},) or ({Bsz}, {T}) (x's [T] or [B, T]), "
                 f"got {tuple(positions.shape)}"
             )
-        pos = positions.astype(jnp.int32 if jnp.issubdtype(positions.dtype, jnp.integer) else jnp.float32)
+        pos = positions.astype(jnp.int32 if _fits_int32(positions.dtype) else jnp.float32)
     if scale_factor != 1.0:
         pos = pos.astype(jnp.float32) / jnp.float32(scale_factor)
     pos = jnp.broadcast_to(pos, (Bsz, T))

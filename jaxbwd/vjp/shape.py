@@ -84,8 +84,9 @@ _row_slice.deftangent(lambda size, res, dx, _: _row_slice.fun(dx, res[0], size))
 def row_slice(x, start, size, *, implementation=None):
     """Rows ``[start, start + size)`` of ``x`` [R, C] -> [size, C]; ``start`` may be traced.
 
-    As ``lax.dynamic_slice``, a traced ``start`` is clamped to ``[0, R - size]`` so the
-    slice stays in bounds; the backward scatters dy into zeros at the same clamped rows.
+    A traced ``start`` is clamped to ``[0, R - size]`` so the slice stays in bounds, as
+    ``lax.dynamic_slice`` clamps, except that a negative start clamps to 0 (lax counts it
+    from the end); the backward scatters dy into zeros at the same clamped rows.
 
     Args:
       x: [R, C] floating. start: Python int or int scalar array. size: static int, 0 <= size <= R.
@@ -115,6 +116,9 @@ def row_slice(x, start, size, *, implementation=None):
     if not isinstance(start, jax.core.Tracer):  # a concrete start is checked, a traced one clamps
         if not 0 <= int(start) <= R - size:
             raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {int(start)}")
-    start = jnp.asarray(start, jnp.int32)
+    # Clamped in start's own dtype, then narrowed: an int64 or uint32 start past int32 would
+    # otherwise wrap to some other row instead of clamping to the last window.
+    start = jnp.asarray(start)
+    start = jnp.clip(start, 0, min(R - size, int(jnp.iinfo(start.dtype).max))).astype(jnp.int32)
     B.impl(implementation, op)
     return _row_slice(x, start, size)
