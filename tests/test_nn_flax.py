@@ -290,6 +290,10 @@ CONV_CASES = [
     ({"features": 3, "kernel_size": (3, 3), "input_dilation": 2, "padding": 1}, (1, 4, 4, 2), False),
     ({"features": 3, "kernel_size": (3, 3), "padding": "SAME_LOWER"}, (1, 4, 4, 2), False),
     ({"features": 3, "kernel_size": (3, 3), "precision": jax.lax.Precision.HIGHEST}, (1, 4, 4, 2), False),
+    # Empty outputs: flax returns them, jaxbwd.conv2d would raise, so flax's code runs.
+    ({"features": 4, "kernel_size": (5, 5), "padding": "VALID"}, (2, 4, 4, 3), False),
+    ({"features": 4, "kernel_size": (3, 3), "padding": -1}, (2, 4, 4, 3), False),
+    ({"features": 4, "kernel_size": (3, 3), "padding": "VALID", "kernel_dilation": 2}, (2, 4, 4, 3), False),
 ]
 
 
@@ -663,6 +667,45 @@ def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
                                 bn(fnn.BatchNorm(use_running_average=False, momentum=1.5)), atol=1e-5)
     rms = jnn.RMSNorm(use_scale=False, weight_offset=1.0)
     chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
+
+
+def test_linen_attention_fn_integer_bias_and_wide_heads_follow_flax():
+    """A bool bias is added as 0/1, as flax adds it; head dims past the Pallas kernels' 256
+    run the XLA path under a Pallas default (flax computes them)."""
+    q = _rand((1, 4, 2, 8))
+    b = jnp.asarray(np.random.default_rng(0).random((1, 2, 4, 4)) > 0.5)
+    chex.assert_trees_all_close(jnn.dot_product_attention(q, q, q, bias=b), fnn.dot_product_attention(q, q, q, bias=b),
+                                atol=1e-6)
+    wide = _rand((1, 4, 1, 264))
+    with jaxbwd.config.use(implementation="pallas"):
+        chex.assert_trees_all_close(jnn.dot_product_attention(wide, wide, wide),
+                                    fnn.dot_product_attention(wide, wide, wide), atol=1e-6)
+
+
+def test_modules_check_implementation_when_built():
+    """A linen module whose call falls back to flax's code still rejects a bad
+    ``implementation``, at construction, naming itself."""
+    x = _rand((2, 3, 4))
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.LayerNorm: implementation must be"):
+        jnn.LayerNorm(implementation="cuda", reduction_axes=(1, 2)).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.MultiHeadDotProductAttention: implementation must be"):
+        jnn.MultiHeadDotProductAttention(num_heads=2, implementation="pallas:mosaic")
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.LayerNorm: implementation must be"):
+        jnnx.LayerNorm(4, implementation="cuda", rngs=nnx.Rngs(0))
+    jnn.LayerNorm(implementation="pallas:triton").init(jax.random.PRNGKey(0), x)  # an op's per-call form
+
+
+@pytest.mark.parametrize("shape,heads,match", [
+    ((4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(4, 16\)"),
+    ((1, 4, 4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(1, 4, 4, 16\)"),
+    ((1, 4, 16), (3, 2), r"num_heads must be a multiple of num_kv_heads \(>= 1\), got num_heads=3, num_kv_heads=2"),
+])
+def test_attention_modules_name_their_bad_input(shape, heads, match):
+    x = jnp.ones(shape)
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.Attention: " + match):
+        jnn.Attention(*heads, 8).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.Attention: " + match):
+        jnnx.Attention(16, *heads, 8, rngs=nnx.Rngs(0))(x)
 
 
 def test_linen_attention_fn_signature_is_flax():

@@ -122,23 +122,29 @@ def _tuple(v, n):
     return (v,) * n if isinstance(v, int) else tuple(v)
 
 
-def conv_covered(kernel_size: Sequence[int], padding, input_dilation, spatial: Sequence[int]) -> bool:
+def conv_covered(kernel_size: Sequence[int], padding, input_dilation, spatial: Sequence[int],
+                 kernel_dilation=1) -> bool:
     """1-D and 2-D kernels without input dilation, with any of flax's padding spellings that
     reduce to explicit zero padding (ints, pairs, SAME, VALID), to a pad before a VALID
     convolution (CIRCULAR, REFLECT, CAUSAL) or, for negative explicit padding, to a crop of
-    the input (``spatial``: its spatial sizes) that leaves at least one element."""
+    the input (``spatial``: its spatial sizes) that leaves at least one element; and an
+    output that is not empty (flax returns an empty array where ``jaxbwd.conv2d`` raises)."""
     n = len(kernel_size)
-    if n not in (1, 2) or any(d != 1 for d in _tuple(input_dilation, n)):
+    if n not in (1, 2) or any(d != 1 for d in _tuple(input_dilation, n)) or any(s < 1 for s in spatial):
         return False
     try:
         pad = canonicalize_padding(padding, n)
     except ValueError:
         return False  # flax's own call raises its message
+    eff = [(k - 1) * d + 1 for k, d in zip(kernel_size, _tuple(kernel_dilation, n))]
     if isinstance(pad, str):  # flax matches CIRCULAR/REFLECT/CAUSAL case-sensitively, lax SAME/VALID not
-        return pad.upper() in ("SAME", "VALID") or pad in ("CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
+        if pad.upper() == "VALID":
+            return all(size >= e for size, e in zip(spatial, eff))
+        return pad.upper() == "SAME" or pad in ("CIRCULAR", "REFLECT") or (pad == "CAUSAL" and n == 1)
     if not all(isinstance(v, int) for p in pad for v in p):
         return False
-    return all(size + min(lo, 0) + min(hi, 0) >= 1 for size, (lo, hi) in zip(spatial, pad))
+    return all(size + min(lo, 0) + min(hi, 0) >= 1 and size + lo + hi >= e
+               for size, (lo, hi), e in zip(spatial, pad, eff))
 
 
 def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, feature_group_count, impl):
@@ -198,3 +204,12 @@ def threefry_key(key) -> bool:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.shape == () and jax.random.key_data(key).shape == (2,)
     return key.shape == (2,) and key.dtype == jnp.uint32
+
+
+def check_attention_call(module: str, x, num_heads: int, num_kv_heads: int) -> None:
+    """The Attention modules' own checks, in their own terms, before any op sees the input."""
+    if jnp.ndim(x) != 3:
+        raise ValueError(f"jaxbwd.{module}: x must be [B, T, features] (rank 3), got shape {tuple(jnp.shape(x))}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"jaxbwd.{module}: num_heads must be a multiple of num_kv_heads (>= 1), got "
+                         f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")

@@ -23,6 +23,18 @@ from jaxbwd.nn import _kernels as K
 Initializer = Any
 
 
+class _Impl:
+    """Checks ``implementation`` when the module is built, as the NNX modules do: a module
+    whose call falls back to flax's code would otherwise never look at it."""
+
+    _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
+
+    def __post_init__(self):
+        jaxbwd.config.check_implementation(self.implementation, f"nn.{type(self).__name__}",
+                                           per_call=self._per_call)
+        super().__post_init__()
+
+
 def _plain_stats(mod, mask) -> bool:
     """A norm's statistics as the kernels compute them: unmasked, on one device, in float32
     (flax versions without ``force_float32_reductions`` always reduce in float32)."""
@@ -35,7 +47,7 @@ def _check_activation(cls: str, activation) -> None:
         raise ValueError(f"jaxbwd.nn.{cls}: activation must be None or 'silu', got {activation!r}")
 
 
-class RMSNorm(fnn.RMSNorm):
+class RMSNorm(_Impl, fnn.RMSNorm):
     """``flax.linen.RMSNorm`` (all its arguments); param ``scale`` [D].
 
     Kernel path (:func:`jaxbwd.rms_norm`): ``reduction_axes`` and ``feature_axes`` both the
@@ -71,7 +83,7 @@ class RMSNorm(fnn.RMSNorm):
                           impl=self.implementation)
 
 
-class LayerNorm(fnn.LayerNorm):
+class LayerNorm(_Impl, fnn.LayerNorm):
     """``flax.linen.LayerNorm`` (all its arguments); params ``scale`` and ``bias`` [D].
 
     Kernel path (:func:`jaxbwd.layer_norm`): ``reduction_axes`` and ``feature_axes`` the last
@@ -100,7 +112,7 @@ class LayerNorm(fnn.LayerNorm):
         return K.layer_norm(x, scale, bias, eps=self.epsilon, out_dtype=out, impl=self.implementation)
 
 
-class Embed(fnn.Embed):
+class Embed(_Impl, fnn.Embed):
     """``flax.linen.Embed`` (all its arguments); param ``embedding`` [num_embeddings, features].
 
     Kernel path (:func:`jaxbwd.embed`, Pallas scatter-add backward): a floating table
@@ -137,7 +149,7 @@ class Embed(fnn.Embed):
         return K.attend_cross_entropy(query, embedding, labels, self.implementation, kwargs)
 
 
-class Dense(fnn.Dense):
+class Dense(_Impl, fnn.Dense):
     """``flax.linen.Dense`` (all its arguments); params ``kernel`` [in, features], ``bias``.
 
     Kernel path (:func:`jaxbwd.matmul` + :func:`jaxbwd.bias_add`): ``precision=None``, no
@@ -192,6 +204,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
             query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
             precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
             attn_weights_value_einsum)
+    # flax adds a bool or integer bias to its float weights as 0/1 (or the integers).
+    if bias is not None and not jnp.issubdtype(jnp.result_type(bias), jnp.inexact):
+        bias = jnp.asarray(bias).astype(query.dtype)
     # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
     out = jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
     if force_fp32_for_softmax and query.dtype != jnp.float32:
@@ -200,7 +215,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     return out
 
 
-class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
+class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
     """``flax.linen.MultiHeadDotProductAttention`` (all its arguments and parameters) whose
     default ``attention_fn`` is :func:`dot_product_attention` above (jaxbwd's op where it
     covers the call, flax's function otherwise); projections are flax's ``DenseGeneral``.
@@ -210,6 +225,7 @@ class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
 
     attention_fn: Callable[..., Any] = dot_product_attention
     implementation: Optional[str] = None
+    _per_call = False
 
     @fnn.compact
     def __call__(self, *args, **kwargs):
@@ -218,7 +234,7 @@ class MultiHeadDotProductAttention(fnn.MultiHeadDotProductAttention):
             return super().__call__(*args, **kwargs)
 
 
-class SwiGLUMLP(fnn.Module):
+class SwiGLUMLP(_Impl, fnn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020); submodules ``gate``, ``up``, ``down``.
 
     Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: those of the ops.
@@ -237,7 +253,7 @@ class SwiGLUMLP(fnn.Module):
         return dense(x.shape[-1], "down")(h)
 
 
-class Attention(fnn.Module):
+class Attention(_Impl, fnn.Module):
     """Causal GQA self-attention with RoPE; submodules ``query``, ``key``, ``value``, ``out`` (Dense).
 
     Call: x [B, T, D] (optional ``segment_ids`` int [B, T], ``positions`` int [B, T] or [T])
@@ -255,6 +271,7 @@ class Attention(fnn.Module):
 
     @fnn.compact
     def __call__(self, x, *, segment_ids=None, positions=None):
+        K.check_attention_call("nn.Attention", x, self.num_heads, self.num_kv_heads)
         B, T, _ = x.shape
         impl = self.implementation
         dense = lambda n, name: Dense(n, use_bias=False, implementation=impl, name=name)
@@ -268,7 +285,7 @@ class Attention(fnn.Module):
         return dense(x.shape[-1], "out")(o.reshape(B, T, self.num_heads * self.head_dim))
 
 
-class GroupNorm(fnn.GroupNorm):
+class GroupNorm(_Impl, fnn.GroupNorm):
     """``flax.linen.GroupNorm`` (all its arguments), channels last; params ``scale``, ``bias`` [C].
 
     Kernel path (:func:`jaxbwd.group_norm`): x of rank >= 2, ``reduction_axes`` None (flax's
@@ -305,7 +322,7 @@ class GroupNorm(fnn.GroupNorm):
                             out_dtype=out, impl=self.implementation)
 
 
-class BatchNorm(fnn.BatchNorm):
+class BatchNorm(_Impl, fnn.BatchNorm):
     """``flax.linen.BatchNorm`` (all its arguments); params ``scale``, ``bias`` and
     ``batch_stats`` ``mean``, ``var`` [C] (float32), updated as flax (not while initialising).
 
@@ -350,7 +367,7 @@ class BatchNorm(fnn.BatchNorm):
         return y.astype(out)
 
 
-class Dropout(fnn.Dropout):
+class Dropout(_Impl, fnn.Dropout):
     """``flax.linen.Dropout`` (all its arguments); kernel path :func:`jaxbwd.dropout`, whose
     backward regenerates the mask from the key instead of saving it.
 
@@ -379,7 +396,7 @@ class Dropout(fnn.Dropout):
         return jaxbwd.dropout(inputs, self.rate, rng=rng, implementation=self.implementation)
 
 
-class Conv(fnn.Conv):
+class Conv(_Impl, fnn.Conv):
     """``flax.linen.Conv`` (all its arguments), channels last; params ``kernel``
     [*kernel_size, Cin/feature_group_count, features] and ``bias`` [features].
 
@@ -402,8 +419,9 @@ class Conv(fnn.Conv):
         cin, fgc = jnp.shape(inputs)[-1], self.feature_group_count
         kernel_shape = ks + (cin // fgc, self.features)
         spatial = jnp.shape(inputs)[-len(ks) - 1:-1]
-        if not (K.conv_covered(ks, self.padding, self.input_dilation, spatial) and self.precision is None
-                and self.conv_general_dilated is None and self.conv_general_dilated_cls is None
+        if not (K.conv_covered(ks, self.padding, self.input_dilation, spatial, self.kernel_dilation)
+                and self.precision is None and self.conv_general_dilated is None
+                and self.conv_general_dilated_cls is None
                 and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and K.real(inputs, self.param_dtype, self.dtype)
                 and (self.mask is None or self.mask.shape == kernel_shape)):
             return super().__call__(inputs)
@@ -416,7 +434,7 @@ class Conv(fnn.Conv):
                       kernel_dilation=self.kernel_dilation, feature_group_count=fgc, impl=self.implementation)
 
 
-class PixelShuffle(fnn.Module):
+class PixelShuffle(_Impl, fnn.Module):
     """Depth to space: [N, H, W, C*r*r] -> [N, H*r, W*r, C] (no parameters).
 
     Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
@@ -429,7 +447,7 @@ class PixelShuffle(fnn.Module):
         return jaxbwd.pixel_shuffle(x, self.upscale_factor, implementation=self.implementation)
 
 
-class Upsample(fnn.Module):
+class Upsample(_Impl, fnn.Module):
     """Nearest or bilinear upsampling of NHWC images by integer factors (no parameters).
 
     Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.

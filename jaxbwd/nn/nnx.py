@@ -27,8 +27,11 @@ def _value(p):
 
 
 class _Impl:
+    _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
+
     def _set_impl(self, implementation: Optional[str]):
-        jaxbwd.config.resolve(implementation, type(self).__name__)
+        jaxbwd.config.check_implementation(implementation, f"nn.nnx.{type(self).__name__}",
+                                           per_call=self._per_call)
         self.implementation = implementation
 
 
@@ -180,7 +183,8 @@ class Conv(nnx.Conv, _Impl):
     def __call__(self, inputs, out_sharding=None):
         ks = tuple(self.kernel_size)
         spatial = jnp.shape(inputs)[-len(ks) - 1:-1]
-        if not (out_sharding is None and K.conv_covered(ks, self.padding, self.input_dilation, spatial)
+        if not (out_sharding is None
+                and K.conv_covered(ks, self.padding, self.input_dilation, spatial, self.kernel_dilation)
                 and self.precision is None and self.conv_general_dilated is jax.lax.conv_general_dilated
                 and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
                 and (self.mask is None or self.mask.shape == self.kernel_shape)
@@ -225,6 +229,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
     flax's. ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
     Source: Vaswani et al. (2017).
     """
+
+    _per_call = False
 
     def __init__(self, *args, attention_fn=dot_product_attention, implementation: Optional[str] = None, **kwargs):
         super().__init__(*args, attention_fn=attention_fn, **kwargs)
@@ -277,6 +283,7 @@ class Attention(nnx.Module, _Impl):
         self.rope_theta, self.is_causal = rope_theta, is_causal
 
     def __call__(self, x, *, segment_ids=None, positions=None):
+        K.check_attention_call("nn.nnx.Attention", x, self.num_heads, self.num_kv_heads)
         Bsz, T, _ = x.shape
         impl = self.implementation
         q = self.query(x).reshape(Bsz, T, self.num_heads, self.head_dim)
