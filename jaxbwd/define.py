@@ -55,7 +55,7 @@ class Op:
                 B.check_array(self.name, f"argument {i}", a)
         if self.check is not None:
             self.check(*arrays, **static)
-        impl = B.impl(implementation, self.name, *[a for a in arrays if a is not None])
+        impl = B.impl(implementation, self.name, *[a for a in arrays if a is not None], float64_kernels=True)
         params = tuple(sorted(static.items()))
         try:
             hash(params)

@@ -169,11 +169,12 @@ def test_unsplittable_huge_input_is_a_clear_error():
 # ------------------------------------------------- integers past int32, float64 on the kernels
 
 
-def test_row_slice_traced_start_past_int32_clamps():
-    # Clamped to [0, R - size] in start's own dtype (a cast to int32 first would wrap).
+def test_row_slice_traced_start_past_int32_clamps_as_dynamic_slice():
+    # Clipped in start's own dtype before the cast to int32 (which would wrap); negative
+    # starts count from the end, as lax.dynamic_slice's.
     xs = jnp.arange(40.0).reshape(10, 4)
-    for start, first in ((jnp.uint32(2**31 + 1), 6), (jnp.uint8(200), 6), (jnp.int8(-3), 0), (jnp.int16(3), 3)):
-        want = xs[first:first + 4]
+    for start in (jnp.uint32(2**31 + 1), jnp.uint8(200), jnp.int8(-3), jnp.int8(-128), jnp.int16(3), jnp.int32(-11)):
+        want = jax.lax.dynamic_slice_in_dim(xs, start, 4)
         for impl in ("xla", "pallas"):
             got = jax.jit(lambda s: jaxbwd.row_slice(xs, s, 4, implementation=impl))(start)  # noqa: B023
             chex.assert_trees_all_equal(got, want)
@@ -196,6 +197,11 @@ def test_rope_positions_past_int32_do_not_wrap(impl):
     _close(got, at(wide + 2**32))
     assert not np.allclose(np.asarray(got), np.asarray(jaxbwd.rope(x, implementation=impl)))
     np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(x), rtol=1e-5, atol=1e-5)  # a rotation
+    # Narrow traced starts are widened to int32 before the sum (int16 32765 + 7 would wrap).
+    for start in (jnp.int16(32765), jnp.int8(125), jnp.uint8(253), jnp.uint16(65533)):
+        got = jax.jit(lambda s: jaxbwd.rope(x, start_pos=s, implementation=impl))(start)  # noqa: B023
+        want = jaxbwd.rope(x, positions=jnp.arange(8, dtype=i32) + int(start), implementation=impl)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)  # wrapped: off by ~4
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -211,6 +217,20 @@ def test_64bit_segment_ids_equal_only_when_equal(impl):
             run((jnp.ones((1, 8), jnp.int64), jnp.ones((1, 8), jnp.uint64)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(pair), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_key_lengths_with_extreme_segment_ids(impl):
+    # Keys past the length get an id no query holds; with ids at int32's minimum, min - 1
+    # would wrap to int32's maximum, an id the queries hold.
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 1, 16), f32)
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    seg = jnp.array([[lo, hi, hi, hi]], i32)
+    got = jaxbwd.dot_product_attention(q, q, q, segment_ids=seg, key_value_seq_lengths=jnp.array([2]), implementation=impl)
+    same = (seg[0][:, None] == seg[0][None, :]) & (jnp.arange(4)[None, :] < 2)
+    want = jaxbwd.dot_product_attention(q, q, q, mask=same[None, None], implementation="xla")
+    np.testing.assert_allclose(np.asarray(got)[0, 1:], np.asarray(want)[0, 1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[0, 0], np.asarray(want)[0, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_float64_takes_xla_unless_pallas_is_named():
@@ -232,6 +252,29 @@ def test_float64_takes_xla_unless_pallas_is_named():
     chex.assert_trees_all_equal(g, gw)
 
 
+@pytest.mark.parametrize("name,call", [
+    ("rms_norm", lambda x, p: jaxbwd.rms_norm(x, p, implementation="pallas")),
+    ("layer_norm", lambda x, p: jaxbwd.layer_norm(x, p, p, implementation="pallas")),
+    ("bias_add", lambda x, p: jaxbwd.bias_add(x, p, implementation="pallas")),
+    ("group_norm", lambda x, p: jaxbwd.group_norm(x[:, None, None], p, p, num_groups=2, implementation="pallas")),
+    ("linear_cross_entropy", lambda x, p: jaxbwd.linear_cross_entropy(x, jnp.outer(p, p), jnp.zeros(3, i32),
+                                                                        implementation="pallas")),
+])
+def test_float64_weights_are_seen_too(name, call):
+    # A float64 operand other than the first makes the gradient float64 too: the same rule.
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match=rf"jaxbwd.{name}: implementation='pallas' has no float64 kernels"):
+            call(jnp.ones((3, 4), f32), jnp.ones((4,), jnp.float64))
+
+
+def test_numpy_float64_without_x64_is_float32():
+    # Without x64, jax reads a NumPy float64 array as float32: the kernels take it.
+    x = np.random.default_rng(0).standard_normal((4, 8))
+    y = jaxbwd.silu(x, implementation="pallas")
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jaxbwd.silu(x, implementation="xla")), rtol=1e-6, atol=1e-6)
+
+
 def test_head_dim_past_256_takes_xla_unless_pallas_is_named():
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 1, 264), f32)
     want = jaxbwd.dot_product_attention(q, q, q, implementation="xla")
@@ -243,11 +286,15 @@ def test_head_dim_past_256_takes_xla_unless_pallas_is_named():
 
 @pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
 @pytest.mark.parametrize("padding,error", [(((1.7, 0), (0, 0)), TypeError), (((True, 0), (0, 0)), TypeError),
-                                           (((-1, 0), (0, 0)), ValueError), (((1,), (0, 0)), ValueError)])
+                                           (((-1, 0), (0, 0)), ValueError), (((1,), (0, 0)), ValueError),
+                                           ((("a", "b"),), ValueError), (((None, 0),), ValueError),
+                                           (((1, 0), (0, 0), (None, 1)), ValueError), (5, ValueError),
+                                           (((None, 0), (0, 0)), TypeError)])
 def test_pool_padding_must_be_non_negative_ints(pool, padding, error):
     x = jnp.ones((2, 8, 8, 4), f32)
     with pytest.raises(error, match=rf"jaxbwd.{pool}: padding must be .* with non-negative ints"):
         getattr(jaxbwd, pool)(x, 2, 1, padding)
+    assert getattr(jaxbwd, pool)(x, 2, 1, ((jnp.int32(1), np.int64(0)), (0, 0))).shape == (2, 8, 7, 4)
 
 
 @pytest.mark.parametrize("where", [(16,), (2,), (2, 8, 16, 1), (2, 7)])

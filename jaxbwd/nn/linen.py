@@ -30,8 +30,9 @@ class _Impl:
     _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
 
     def __post_init__(self):
-        jaxbwd.config.check_implementation(self.implementation, f"nn.{type(self).__name__}",
-                                           per_call=self._per_call)
+        # this module's own class name, not a lifted transform's (CheckpointLayerNorm) or a subclass's
+        name = next(c.__name__ for c in type(self).__mro__ if c.__module__ == __name__ and c is not _Impl)
+        jaxbwd.config.check_implementation(self.implementation, f"nn.{name}", per_call=self._per_call)
         super().__post_init__()
 
 
@@ -422,7 +423,8 @@ class Conv(_Impl, fnn.Conv):
         if not (K.conv_covered(ks, self.padding, self.input_dilation, spatial, self.kernel_dilation)
                 and self.precision is None and self.conv_general_dilated is None
                 and self.conv_general_dilated_cls is None
-                and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and K.real(inputs, self.param_dtype, self.dtype)
+                and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and min(kernel_shape) > 0
+                and K.real(inputs, self.param_dtype, self.dtype)
                 and (self.mask is None or self.mask.shape == kernel_shape)):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)

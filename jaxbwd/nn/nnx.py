@@ -30,8 +30,8 @@ class _Impl:
     _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
 
     def _set_impl(self, implementation: Optional[str]):
-        jaxbwd.config.check_implementation(implementation, f"nn.nnx.{type(self).__name__}",
-                                           per_call=self._per_call)
+        name = next(c.__name__ for c in type(self).__mro__ if c.__module__ == __name__ and c is not _Impl)
+        jaxbwd.config.check_implementation(implementation, f"nn.nnx.{name}", per_call=self._per_call)
         self.implementation = implementation
 
 
@@ -188,6 +188,7 @@ class Conv(nnx.Conv, _Impl):
                 and self.precision is None and self.conv_general_dilated is jax.lax.conv_general_dilated
                 and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
                 and (self.mask is None or self.mask.shape == self.kernel_shape)
+                and min(self.kernel_shape) > 0 and jnp.shape(inputs)[-1] > 0
                 and K.real(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
         kernel = _value(self.kernel)

@@ -35,26 +35,31 @@ class Impl:
         return self.kind == "pallas" and self.backend == "mosaic"
 
 
-def impl(implementation: Optional[str], op: str, *arrays) -> Impl:
+def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool = False) -> Impl:
     """Resolves the implementation at trace time.
 
     Empty inputs (any of ``arrays`` with a zero-size dimension) take the XLA formulas: their
     outputs and gradients are empty, so there is no work for a kernel to do, and launching
     one with an empty grid is not allowed.
 
-    float64 inputs take the XLA formulas too: the kernels compute in float32, so a float64
-    result from them would carry float32 accuracy. Asking for the kernels by name for such
-    inputs (``implementation="pallas"`` in the call) is an error rather than a silent fallback.
+    float64 inputs take the XLA formulas too: jaxbwd's kernels compute in float32, so a
+    float64 result from them would carry float32 accuracy. Asking for the kernels by name for
+    such inputs (``implementation="pallas"`` in the call) is an error rather than a silent
+    fallback. ``arrays`` must hold every floating operand for that; ``float64_kernels=True``
+    (user ops, whose kernels are their author's) skips the rule.
 
     Raises:
       ValueError: an unknown implementation name.
       TypeError: ``implementation="pallas"`` (or ``"pallas:<backend>"``) with a float64 input.
     """
     kind = config.resolve(implementation, op)
+    arrays = [a for a in arrays if a is not None]  # optional operands (a bias, weights)
     if any(getattr(a, "size", 1) == 0 for a in arrays):
         kind = "xla"
-    f64 = next((a for a in arrays if getattr(a, "dtype", None) == jnp.float64), None)
-    if kind == "pallas" and f64 is not None:
+    # canonicalised: a NumPy float64 array is float32 to jax unless x64 is on
+    f64 = next((a for a in arrays if hasattr(a, "dtype") and jax.dtypes.canonicalize_dtype(a.dtype) == jnp.float64),
+               None)
+    if kind == "pallas" and f64 is not None and not float64_kernels:
         if implementation is not None:
             raise TypeError(
                 f"jaxbwd.{op}: implementation={implementation!r} has no float64 kernels (they "

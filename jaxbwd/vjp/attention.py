@@ -343,9 +343,7 @@ def _segment_ids_int32(qseg, kseg):
     """The ids as int32, equal exactly where the given ids are equal.
 
     A cast keeps that for 32-bit ids (it is one-to-one), not for 64-bit ones (2**32 and 0
-    would meet). Those are replaced by their rank among all the ids given, one sort of
-    B * (T + S) values; ranks keep the ids' order too, so blocks of sorted ids stay
-    contiguous ranges for the kernels' block skipping.
+    would meet): those are replaced by their ranks (:func:`_rank_ids`).
     """
     if jnp.dtype(qseg.dtype).itemsize <= 4 and jnp.dtype(kseg.dtype).itemsize <= 4:
         return qseg.astype(jnp.int32), kseg.astype(jnp.int32)
@@ -355,9 +353,17 @@ def _segment_ids_int32(qseg, kseg):
             f"jaxbwd.{OP}: segment_ids[0] and segment_ids[1] must have dtypes with a common "
             f"integer type, got {qseg.dtype} and {kseg.dtype}"
         )
-    ids = jnp.concatenate([qseg.ravel().astype(dt), kseg.ravel().astype(dt)])
-    rank = jnp.searchsorted(jnp.sort(ids), ids).astype(jnp.int32)
-    return rank[:qseg.size].reshape(qseg.shape), rank[qseg.size:].reshape(kseg.shape)
+    return _rank_ids(qseg.astype(dt), kseg.astype(dt))
+
+
+def _rank_ids(qseg, kseg):
+    """Each id replaced by its rank among its batch row's q and kv ids: int32 in [0, T + S),
+    equal where the ids are equal, in the ids' order (sorted ids stay sorted, so the kernels'
+    per-block id ranges still skip blocks). One sort per row, along the sequence only, so a
+    batch-sharded call sorts locally."""
+    ids = jnp.concatenate([qseg, kseg], axis=1)
+    rank = jax.vmap(jnp.searchsorted)(jnp.sort(ids, axis=1), ids).astype(jnp.int32)
+    return rank[:, :qseg.shape[1]], rank[:, qseg.shape[1]:]
 
 
 def _check_lengths(name, x, Bsz, n):
@@ -556,10 +562,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
             impl = B.Impl("xla", impl.interpret)
         if kvlen is not None:
             # Keys past the length get an id no query holds: masked in-kernel, no dense mask.
-            qseg = jnp.zeros((Bsz, T), jnp.int32) if qseg is None else qseg
-            kseg = jnp.zeros((Bsz, Skv), jnp.int32) if kseg is None else kseg
-            pad_id = jnp.min(qseg, axis=1, keepdims=True) - 1
-            kseg = jnp.where(jnp.arange(Skv)[None] < kvlen[:, None], kseg, pad_id)
+            # Ranked ids are >= 0, so -1 is free (min(ids) - 1 would wrap at int32's minimum).
+            if qseg is None:
+                qseg, kseg = jnp.zeros((Bsz, T), jnp.int32), jnp.zeros((Bsz, Skv), jnp.int32)
+            else:
+                qseg, kseg = _rank_ids(qseg, kseg)
+            kseg = jnp.where(jnp.arange(Skv)[None] < kvlen[:, None], kseg, -1)
         cfg = _Cfg(scale, kcausal, window, softcap, qseg is not None, impl)
         out = S.partitioned("bTnH,bSnH,bSnH,bT,bS->bTnH", lambda *a: _attention(*a, cfg), q, k, v, qseg, kseg)
         empty = None

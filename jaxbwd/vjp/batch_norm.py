@@ -159,7 +159,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         raise ValueError(f"jaxbwd.{op}: momentum must be in [0, 1], got {momentum!r}")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{op}: training must be a Python bool, got {training!r}")
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, weight, bias)
 
     xm = x if axis == x.ndim - 1 else jnp.moveaxis(x, axis, -1)
     x2 = xm.reshape(-1, Cn)

@@ -151,7 +151,7 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
     B.check_positive(op, "eps", eps)
     if activation not in ACTIVATIONS:
         raise ValueError(f"jaxbwd.{op}: activation must be None or 'silu', got {activation!r}")
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, weight, bias)
     # Samples split freely; spatial dims and channels are reduced over (gathered if sharded).
     xs = "n" + "".join(chr(ord("P") + i) for i in range(x.ndim - 2)) + "C"
     return S.partitioned(f"{xs},C,C->{xs}", lambda x, w, b: _group_norm(x, w, b, num_groups, float(eps),

@@ -127,7 +127,7 @@ def bias_add(x, bias, *, implementation=None):
     B.check_float(op, "bias", bias)
     B.check_ndim(op, "x", x, min_ndim=1, what="([..., D])")
     B.check_shape(op, "bias", bias, (x.shape[-1],), what=f"(x's last dimension D={x.shape[-1]})")
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, bias)
     return S.partitioned("...d,d->...d", lambda x, b: _bias_add(x, b, impl), x, bias)
 
 

@@ -359,7 +359,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
 
     dtype = jnp.result_type(x, w)
     PC.check_index_range(op, tokens=int(np.prod(x.shape[:-1])), D=D, V=V)
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, w, weights)
 
     def run(x, w, labels, axes):
         x2, lead = B.rows(x)

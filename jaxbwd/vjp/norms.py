@@ -127,7 +127,7 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
     op = "rms_norm"
     _check_norm_args(op, x, eps, weight=weight)
     offset = B.check_static_number(op, "weight_offset", weight_offset)
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, weight)
     return S.partitioned("...D,D->...D", lambda x, w: _rms_norm(x, w, float(eps), offset, impl), x, weight)
 
 
@@ -190,5 +190,5 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     """
     op = "layer_norm"
     _check_norm_args(op, x, eps, weight=weight, bias=bias)
-    impl = B.impl(implementation, op, x)
+    impl = B.impl(implementation, op, x, weight, bias)
     return S.partitioned("...D,D,D->...D", lambda x, w, b: _layer_norm(x, w, b, float(eps), impl), x, weight, bias)

@@ -20,6 +20,7 @@ so no kernel. adaptive_avg_pool2d: two small averaging matrices applied by ``ein
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,22 +41,31 @@ def _pair(op, name, v, default=None):
     return B.static_int_pair(op, name, v, minimum=1)
 
 
+def _index(v) -> int:
+    if isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", None) == np.bool_:
+        raise TypeError(v)
+    return operator.index(v)
+
+
 def _pads(op, padding, hw, window, strides):
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID"):
             raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)), got {padding!r}")
         return tuple(tuple(p) for p in lax.padtype_to_pads(hw, window, strides, padding.upper()))
+    what = (f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with non-negative "
+            f"ints, got {padding!r}")
     try:
-        pads = tuple((lo, hi) for lo, hi in padding)
-    except (TypeError, ValueError):
-        pads = ()
-    if len(pads) == 2 and not all(B.is_static_int(p) for pair in pads for p in pair):
-        raise TypeError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with "
-                        f"non-negative ints, got {padding!r}")
-    pads = tuple((int(lo), int(hi)) for lo, hi in pads)
-    if len(pads) != 2 or any(p < 0 for pair in pads for p in pair):
-        raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID' or ((lo, hi), (lo, hi)) with "
-                         f"non-negative ints, got {padding!r}")
+        pairs = [tuple(p) for p in padding]
+    except TypeError:
+        pairs = []
+    if len(pairs) != 2 or any(len(p) != 2 for p in pairs):
+        raise ValueError(what)
+    try:  # ints, NumPy ints or concrete integer scalars; not floats (1.7 is not 1) nor bools
+        pads = tuple(tuple(_index(v) for v in p) for p in pairs)
+    except TypeError:
+        raise TypeError(what) from None
+    if any(v < 0 for p in pads for v in p):
+        raise ValueError(what)
     return pads
 
 

@@ -149,8 +149,8 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     Returns:
       [B, T, N, H] in x's dtype; angles and rotation computed in float32.
 
-    Residuals: the positions [B, T], int32 (float32 when fractional, scale_factor != 1, or
-    of a dtype int32 cannot hold: int64, uint32, uint64);
+    Residuals: the positions [B, T], int32 (float32 when fractional, scale_factor != 1, of
+    a dtype int32 cannot hold: int64, uint32, uint64, or from a static start_pos past int32);
     no x, no cos/sin tables. Rescaled frequencies are recomputed in the backward and read
     by the kernel as one [H/2] vector.
 
@@ -183,7 +183,8 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
         raise ValueError(f"jaxbwd.{op}: give positions or start_pos, not both (got positions and start_pos={start_pos!r})")
     # Positions reach the kernels as int32, or as float32 where int32 cannot hold them (a
     # 64-bit or uint32 dtype, a static start past int32): the angle is float32(position) *
-    # inv_freq either way, so only the wrap of a narrowing cast is avoided.
+    # inv_freq either way, so only the wrap of a narrowing cast is avoided. (A traced int32
+    # start near 2**31 wraps in its own int32 sum, as jnp's start + arange(T) would.)
     if positions is None:
         if B.is_static_int(start_pos):
             if _I32.min <= int(start_pos) and int(start_pos) + T - 1 <= _I32.max:
@@ -194,8 +195,10 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
             B.check_int(op, "start_pos", start_pos)
             if jnp.ndim(start_pos) != 0:
                 raise ValueError(f"jaxbwd.{op}: start_pos must be a scalar, got shape {tuple(jnp.shape(start_pos))}")
-            pos = start_pos + jnp.arange(T, dtype=start_pos.dtype)
-            pos = pos.astype(jnp.int32 if _fits_int32(pos.dtype) else jnp.float32)
+            # in int32 (narrower starts widened first), or in a wider start's own dtype
+            dt = jnp.int32 if _fits_int32(start_pos.dtype) else start_pos.dtype
+            pos = start_pos.astype(dt) + jnp.arange(T, dtype=dt)
+            pos = pos if dt == jnp.int32 else pos.astype(jnp.float32)
     else:
         B.check_array(op, "positions", positions)
         if not (jnp.issubdtype(positions.dtype, jnp.integer) or jnp.issubdtype(positions.dtype, jnp.floating)):

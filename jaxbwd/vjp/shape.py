@@ -84,9 +84,10 @@ _row_slice.deftangent(lambda size, res, dx, _: _row_slice.fun(dx, res[0], size))
 def row_slice(x, start, size, *, implementation=None):
     """Rows ``[start, start + size)`` of ``x`` [R, C] -> [size, C]; ``start`` may be traced.
 
-    A traced ``start`` is clamped to ``[0, R - size]`` so the slice stays in bounds, as
-    ``lax.dynamic_slice`` clamps, except that a negative start clamps to 0 (lax counts it
-    from the end); the backward scatters dy into zeros at the same clamped rows.
+    As ``lax.dynamic_slice``, a traced negative ``start`` counts from the end and a traced
+    ``start`` is then clamped to ``[0, R - size]`` so the slice stays in bounds (in start's
+    own dtype first: a 64-bit start does not wrap); the backward scatters dy into zeros at
+    the same clamped rows.
 
     Args:
       x: [R, C] floating. start: Python int or int scalar array. size: static int, 0 <= size <= R.
@@ -116,9 +117,12 @@ def row_slice(x, start, size, *, implementation=None):
     if not isinstance(start, jax.core.Tracer):  # a concrete start is checked, a traced one clamps
         if not 0 <= int(start) <= R - size:
             raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {int(start)}")
-    # Clamped in start's own dtype, then narrowed: an int64 or uint32 start past int32 would
-    # otherwise wrap to some other row instead of clamping to the last window.
+    # Clipped to [-R, R - size] in start's own dtype before the narrowing to int32 (an int64
+    # or uint32 start past int32 would wrap to some other row); then, as lax.dynamic_slice,
+    # a negative start counts from the end and the window is clamped into bounds.
     start = jnp.asarray(start)
-    start = jnp.clip(start, 0, min(R - size, int(jnp.iinfo(start.dtype).max))).astype(jnp.int32)
+    info = jnp.iinfo(start.dtype)
+    start = jnp.clip(start, max(-R, int(info.min)), min(R - size, int(info.max))).astype(jnp.int32)
+    start = jnp.clip(jnp.where(start < 0, start + R, start), 0, R - size)
     B.impl(implementation, op)
     return _row_slice(x, start, size)
