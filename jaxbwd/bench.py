@@ -22,7 +22,6 @@ What is counted:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import textwrap

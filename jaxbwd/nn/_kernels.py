@@ -8,8 +8,7 @@ runs flax's own ``__call__`` instead.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
