@@ -152,6 +152,9 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
     Raises (when called):
       TypeError: a non-array argument; unhashable static arguments. ValueError: an unknown
       implementation. Whatever ``check`` raises.
+
+    float64 arguments reach ``pallas_backward`` like any other (jaxbwd's own kernels compute
+    in float32 and hand float64 to XLA; a user's kernel is its author's to choose).
     """
     if pallas_backward is not None and not kernels:
         raise ValueError(f"jaxbwd.define_op({name!r}): give kernels=(the pallas_call names) with pallas_backward")

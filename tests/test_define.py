@@ -67,3 +67,22 @@ def test_cli_takes_an_import_path(capsys):
 def test_cli_import_path_errors(capsys):
     assert cli.main(["list", "--ops", "examples.squared_relu:NOPE"]) == 2
     assert "examples.squared_relu has no attribute 'NOPE'" in capsys.readouterr().err
+
+
+def test_float64_rule_spares_user_kernels():
+    """jaxbwd's float32 kernels refuse float64 by name (define_elementwise's generated kernel
+    among them); a define_op kernel is its author's and receives float64 as given."""
+    seen = []
+
+    def pallas_backward(res, dy, *, interpret):
+        seen.append(dy.dtype)
+        return (2.0 * dy,)
+
+    double = jaxbwd.define_op("double_f64_test", forward=lambda x: 2.0 * x, backward=lambda r, d: (2.0 * d,),
+                              pallas_backward=pallas_backward, kernels=("double_f64_test_bwd",))
+    with jax.enable_x64(True):
+        x = jnp.ones((3,), jnp.float64)
+        g = jax.grad(lambda x: jnp.sum(double(x, implementation="pallas")))(x)
+        with pytest.raises(TypeError, match="softplus_test: implementation='pallas' has no float64 kernels"):
+            softplus(x, implementation="pallas")
+    assert seen == [jnp.float64] and g.dtype == jnp.float64

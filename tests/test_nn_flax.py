@@ -294,6 +294,7 @@ CONV_CASES = [
     ({"features": 4, "kernel_size": (5, 5), "padding": "VALID"}, (2, 4, 4, 3), False),
     ({"features": 4, "kernel_size": (3, 3), "padding": -1}, (2, 4, 4, 3), False),
     ({"features": 4, "kernel_size": (3, 3), "padding": "VALID", "kernel_dilation": 2}, (2, 4, 4, 3), False),
+    ({"features": 3, "kernel_size": (3, 3)}, (1, 4, 4, 0), False),  # no input channels
 ]
 
 
@@ -693,6 +694,11 @@ def test_modules_check_implementation_when_built():
     with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.LayerNorm: implementation must be"):
         jnnx.LayerNorm(4, implementation="cuda", rngs=nnx.Rngs(0))
     jnn.LayerNorm(implementation="pallas:triton").init(jax.random.PRNGKey(0), x)  # an op's per-call form
+    # the module's own name under a lifted transform and in a subclass
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.LayerNorm: implementation must be"):
+        fnn.remat(jnn.LayerNorm)(implementation="cuda").init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.LayerNorm: implementation must be"):
+        type("MyNorm", (jnnx.LayerNorm,), {})(4, implementation="cuda", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("shape,heads,match", [
