@@ -86,3 +86,13 @@ def test_float64_rule_spares_user_kernels():
         with pytest.raises(TypeError, match="softplus_test: implementation='pallas' has no float64 kernels"):
             softplus(x, implementation="pallas")
     assert seen == [jnp.float64] and g.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("backward", [lambda r, d: (r[1] * d,), lambda r, d: (r[1] * d, r[0] * d, d)],
+                         ids=["too-few", "too-many"])
+def test_backward_with_the_wrong_number_of_cotangents_is_an_error(backward):
+    # A missing cotangent would otherwise leave that argument's gradient at zero.
+    op = jaxbwd.define_op("mul_count_test", forward=lambda x, w: x * w, backward=backward)
+    x = jnp.arange(6.0).reshape(2, 3)
+    with pytest.raises(TypeError, match=r"mul_count_test: backward returned|Custom VJP bwd rule must produce"):
+        jax.grad(lambda x, w: jnp.sum(op(x, w)), (0, 1))(x, x + 1)
