@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -134,8 +135,7 @@ def _compile(args) -> int:
               f"Install: {deviceless.INSTALL_HINT}", file=sys.stderr)
         return 2
     gpus = [g.strip() for g in args.gpu.split(",")]
-    dtypes = [{"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(d.strip(), d.strip())
-              for d in args.dtype.split(",")]
+    dtypes = [_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",")]
     cases = deviceless.cases(args.ops, dtypes=dtypes, gpus=gpus)
     if not cases:
         print("error: no Pallas kernels among the ops asked for", file=sys.stderr)
@@ -232,8 +232,6 @@ def main(argv=None) -> int:
     pg.add_argument("--baseline", metavar="PATH", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
     args = p.parse_args(argv)
     if args.cmd == "compile":
-        import os
-
         import jax
 
         # The GPU is only a compile target: the host runs on CPU, and a CUDA plugin without a
@@ -250,10 +248,39 @@ def main(argv=None) -> int:
 
     try:
         registry.ops(getattr(args, "ops", None))
-    except KeyError as e:  # an unknown op name: say so, no traceback
-        print(f"error: {e.args[0]}", file=sys.stderr)
+    except (KeyError, ValueError) as e:  # an unknown op name, a clash, a bad module path: no traceback
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    problem = _bad_arguments(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     return {"list": _list, "check": _check, "bench": _bench, "compile": _compile}[args.cmd](args)
+
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def _bad_arguments(args):
+    """What is wrong with the numbers and paths given, found before any work is done (a
+    report lost to an unwritable path after a long compile is worse than an early error)."""
+    if getattr(args, "repeats", 1) < 1:
+        return f"--repeats must be >= 1, got {args.repeats}"
+    if getattr(args, "jobs", None) is not None and args.jobs < 1:
+        return f"--jobs must be >= 1, got {args.jobs}"
+    if getattr(args, "timeout", 1.0) <= 0:
+        return f"--timeout must be > 0 seconds, got {args.timeout}"
+    if hasattr(args, "dtype") and args.cmd == "compile":
+        bad = [d for d in args.dtype.split(",") if d.strip() not in set(_DTYPES) | set(_DTYPES.values())]
+        if bad:
+            return f"unknown --dtype {', '.join(bad)}; known: {', '.join(_DTYPES)}"
+    if getattr(args, "baseline", None) and not os.path.isfile(args.baseline):
+        return f"--baseline {args.baseline}: no such file"
+    for opt in ("json", "markdown", "plot"):
+        path = getattr(args, opt, None)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"--{opt} {path}: its folder does not exist"
+    return None
 
 
 if __name__ == "__main__":

@@ -138,3 +138,30 @@ def test_every_option_has_help_text(program, monkeypatch):
     main = cli.main if program == "python -m jaxbwd" else _example_main(program, monkeypatch)
     parser = _parser_of(main, [])
     assert _options_without_help(parser, program) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--ops", "silu", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["bench", "--ops", "silu", "--json", "/nonexistent-dir/x.json"],
+     "--json /nonexistent-dir/x.json: its folder does not exist"),
+    (["compile", "--ops", "silu", "--dtype", "f64"], "unknown --dtype f64; known: f32, bf16, f16"),
+    (["compile", "--ops", "silu", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["compile", "--ops", "silu", "--timeout", "-5"], "--timeout must be > 0 seconds, got -5.0"),
+    (["compile", "--ops", "silu", "--baseline", "/nonexistent-dir/b.json"],
+     "--baseline /nonexistent-dir/b.json: no such file"),
+], ids=["repeats", "json-folder", "dtype", "jobs", "timeout", "baseline"])
+def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
+    """Checked before anything runs: a report lost to an unwritable path after a long
+    compile is worse than an early error."""
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_user_op_named_like_a_builtin_is_one_line(tmp_path, capsys):
+    (tmp_path / "clash.py").write_text(
+        "import jaxbwd\n"
+        "op = jaxbwd.define_op('silu', forward=lambda x: x, backward=lambda r, d: (d,))\n"
+        "SPEC = op.spec(reference=lambda x: x, examples=())\n")
+    assert cli.main(["list", "--ops", f"{tmp_path / 'clash.py'}:SPEC"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: jaxbwd.registry: op 'silu'") and err.endswith("clashes with jaxbwd's own op"), err
