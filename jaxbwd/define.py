@@ -21,9 +21,12 @@ registry entry and its generated tests) is ``examples/squared_relu.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxbwd import sharding as S
 from jaxbwd.vjp import _base as B
@@ -41,7 +44,10 @@ class Op:
         self._fwd_rule, self.pallas_backward, self.tangent = fwd, pallas_backward, tangent
         self.kernels = tuple(kernels) if pallas_backward is not None else ()
         self.check, self.sharding = check, sharding
-        op = custom_op(self._primal, nondiff_argnums=(0, 1), name=name)
+        self._signature = _signature(forward)
+        # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype) as the rules
+        # see them (per shard, per vmapped example), to hold the backward's cotangents to.
+        op = custom_op(self._primal, nondiff_argnums=(0, 1, 2), name=name)
         op.defvjp(self._fwd, self._bwd)
         if tangent is not None or fwd is None:
             op.deftangent(self._tangent)
@@ -53,37 +59,38 @@ class Op:
         for i, a in enumerate(arrays):
             if a is not None:
                 B.check_array(self.name, f"argument {i}", a)
+        _check_signature(self.name, self._signature, arrays, static)
         if self.check is not None:
             self.check(*arrays, **static)
         impl = B.impl(implementation, self.name, *[a for a in arrays if a is not None], float64_kernels=True)
-        params = tuple(sorted(static.items()))
-        try:
-            hash(params)
-        except TypeError:
-            raise TypeError(f"jaxbwd.{self.name}: static keyword arguments must be hashable, got "
-                            f"{ {k: type(v).__name__ for k, v in static.items()} }") from None
-        run = lambda *a: self._op(params, impl, *a)  # noqa: E731
+        params = _check_hashable(self.name, static)
+        run = lambda *a: self._op(params, impl, _avals(a), *a)  # noqa: E731
         if self.sharding is None:
             return run(*arrays)
         return S.partitioned(self.sharding, run, *arrays)
 
-    # Rules in _derivatives' convention: nondiff (params, impl) first.
-    def _primal(self, params, impl, *arrays):
-        return self.forward(*arrays, **dict(params))
+    # Rules in _derivatives' convention: nondiff (params, impl, avals) first. A user's rule
+    # that returns the wrong structure fails here, by the op's name, not deep inside JAX.
+    def _primal(self, params, impl, avals, *arrays):
+        return _one_array(self.name, "forward", self.forward(*arrays, **dict(params)))
 
-    def _fwd(self, params, impl, *arrays):
+    def _fwd(self, params, impl, avals, *arrays):
         if self._fwd_rule is None:
-            return self.forward(*arrays, **dict(params)), tuple(arrays)
-        return self._fwd_rule(*arrays, **dict(params))
+            return self._primal(params, impl, avals, *arrays), tuple(arrays)
+        got = self._fwd_rule(*arrays, **dict(params))
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise TypeError(f"jaxbwd.{self.name}: fwd must return a pair (out, res), got "
+                            f"{_describe(got)}")
+        return _one_array(self.name, "fwd's out", got[0]), got[1]
 
-    def _bwd(self, params, impl, res, dy):
+    def _bwd(self, params, impl, avals, res, dy):
         if impl.pallas and self.pallas_backward is not None:
-            cts = self.pallas_backward(res, dy, interpret=impl.interpret, **dict(params))
+            rule, cts = "pallas_backward", self.pallas_backward(res, dy, interpret=impl.interpret, **dict(params))
         else:
-            cts = self.backward(res, dy, **dict(params))
-        return tuple(cts)
+            rule, cts = "backward", self.backward(res, dy, **dict(params))
+        return _cotangents(self.name, rule, cts, avals)
 
-    def _tangent(self, params, impl, res, *tangents):
+    def _tangent(self, params, impl, avals, res, *tangents):
         if self.tangent is not None:
             return self.tangent(res, tangents, **dict(params))
         # No fwd rule: the residuals are the inputs, so the JVP of the forward is exact.
@@ -112,6 +119,83 @@ class Op:
             backward=backward or ("Pallas: " + ", ".join(self.kernels) if self.kernels else "XLA formula"),
             examples=tuple(examples), lowering=tuple(lowering), bad_inputs=tuple(bad_inputs),
             residual_budget=residual_budget, **more)
+
+
+def _signature(f: Callable) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin without one: nothing to check calls against
+        return None
+
+
+def _check_signature(name: str, sig: Optional[inspect.Signature], args: Sequence, static: dict) -> None:
+    """A call that the op's forward cannot take fails by the op's name, before any tracing."""
+    if sig is None:
+        return
+    try:
+        sig.bind(*args, **static)
+    except TypeError as e:
+        raise TypeError(f"jaxbwd.{name}: {e}; the op's forward is {name}{sig}") from None
+
+
+def _check_hashable(name: str, static: dict) -> tuple:
+    """The static keyword arguments as the rules' hashable nondiff argument. An array there
+    (traced under jit, or a jax.Array, which does not hash) belongs among the arrays."""
+    params = tuple(sorted(static.items()))
+    try:
+        hash(params)
+    except TypeError:
+        raise TypeError(f"jaxbwd.{name}: static keyword arguments must be hashable (Python numbers, "
+                        f"strings, tuples), got { {k: type(v).__name__ for k, v in static.items()} }") from None
+    return params
+
+
+def _check_name(maker: str, name: Any) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"jaxbwd.{maker}: name must be a Python identifier (it names the op in errors, "
+                         f"its kernels and the registry), got {name!r}")
+    from jaxbwd import registry
+
+    if name in registry.REGISTRY and registry.REGISTRY[name].family != "user":
+        raise ValueError(f"jaxbwd.{maker}({name!r}): {name!r} is one of jaxbwd's own ops; choose another name")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, (tuple, list)):
+        return f"a {type(v).__name__} of {len(v)}"
+    return type(v).__name__
+
+
+def _avals(arrays: Sequence) -> tuple:
+    return tuple(None if a is None else (tuple(a.shape), jnp.dtype(a.dtype)) for a in arrays)
+
+
+def _one_array(name: str, what: str, out: Any):
+    if not isinstance(out, (jax.Array, np.ndarray)):
+        raise TypeError(f"jaxbwd.{name}: {what} must return one array, got {_describe(out)}")
+    return out
+
+
+def _cotangents(name: str, rule: str, cts: Any, avals: tuple) -> tuple:
+    """The backward's cotangents held to the arguments: one per argument, each of its
+    argument's shape (a mismatch raises) and cast to its argument's dtype (so that
+    ``jax.grad`` of a float32 argument is float32 whatever the rule computed in); None for
+    integer and ``None`` arguments."""
+    if not isinstance(cts, (tuple, list)) or len(cts) != len(avals):
+        # Unchecked, a missing cotangent would leave that argument's gradient at zero.
+        raise TypeError(f"jaxbwd.{name}: {rule} returned {_describe(cts)}, expected a tuple of "
+                        f"{len(avals)} cotangent(s) (one per array argument, None for integer ones)")
+    out = []
+    for i, (ct, aval) in enumerate(zip(cts, avals)):
+        if ct is None or aval is None or not jnp.issubdtype(aval[1], jnp.inexact):
+            out.append(None)
+            continue
+        shape, dtype = aval
+        if tuple(jnp.shape(ct)) != shape:
+            raise ValueError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} has shape "
+                             f"{tuple(jnp.shape(ct))}, expected {shape} (the argument's shape)")
+        out.append(jnp.asarray(ct).astype(dtype))
+    return tuple(out)
 
 
 def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional[Callable] = None,
@@ -149,15 +233,34 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
     Returns:
       An :class:`Op`: ``op(*arrays, implementation=None, **static)``.
 
-    Raises (when called):
-      TypeError: a non-array argument; unhashable static arguments. ValueError: an unknown
-      implementation. Whatever ``check`` raises.
+    Raises:
+      ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; a
+        ``pallas_backward`` without ``kernels``. TypeError: a rule that is not callable;
+        ``kernels`` not a sequence of str.
+
+    Raises (when called, each naming the op):
+      TypeError: a non-array argument; arguments the forward's signature does not take;
+      unhashable static arguments; a rule returning the wrong form (a forward not returning
+      one array, a ``fwd`` not returning ``(out, res)``, a backward not returning one
+      cotangent per argument). ValueError: an unknown implementation; a cotangent whose
+      shape is not its argument's (cotangents of another float dtype are cast to the
+      argument's). Whatever ``check`` raises.
 
     float64 arguments reach ``pallas_backward`` like any other (jaxbwd's own kernels compute
     in float32 and hand float64 to XLA; a user's kernel is its author's to choose).
     """
+    _check_name("define_op", name)
+    where = f"jaxbwd.define_op({name!r})"
+    for arg, f in (("forward", forward), ("backward", backward)):
+        if not callable(f):
+            raise TypeError(f"{where}: {arg} must be callable, got {type(f).__name__}")
+    for arg, f in (("fwd", fwd), ("pallas_backward", pallas_backward), ("tangent", tangent), ("check", check)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{where}: {arg} must be callable or None, got {type(f).__name__}")
+    if isinstance(kernels, str) or not all(isinstance(k, str) for k in kernels):
+        raise TypeError(f"{where}: kernels must be a sequence of pallas_call names (str), got {kernels!r}")
     if pallas_backward is not None and not kernels:
-        raise ValueError(f"jaxbwd.define_op({name!r}): give kernels=(the pallas_call names) with pallas_backward")
+        raise ValueError(f"{where}: give kernels=(the pallas_call names) with pallas_backward")
     return Op(name, forward, backward, fwd=fwd, pallas_backward=pallas_backward, tangent=tangent,
               kernels=kernels, check=check, sharding=sharding)
 
@@ -179,12 +282,24 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
 
     Returns:
       ``op(x, *, implementation=None, **params)`` with ``op.kernels = ("<name>_bwd",)``;
-      raises TypeError for a non-floating x.
+      it raises TypeError naming the op for a non-floating x, params that ``forward`` does
+      not take, or unhashable params.
+
+    Raises:
+      ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is
+        neither "input" nor "output". TypeError: a formula that is not callable.
     """
+    _check_name("define_elementwise", name)
+    for arg, f in (("forward", forward), ("derivative", derivative), ("kernel_derivative", kernel_derivative)):
+        if not callable(f) and not (arg == "kernel_derivative" and f is None):
+            raise TypeError(f"jaxbwd.define_elementwise({name!r}): {arg} must be callable, got {type(f).__name__}")
     e = Elementwise(name, forward, derivative, saves=saves, kernel_derivative=kernel_derivative)
+    sig = _signature(forward)
 
     def op(x, *, implementation: Optional[str] = None, **params):
         B.check_float(name, "x", x)
+        _check_signature(name, sig, (x,), params)
+        _check_hashable(name, params)
         return e.partitioned(x, B.impl(implementation, name, x), **params)
 
     op.__name__ = op.__qualname__ = name

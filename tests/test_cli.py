@@ -157,11 +157,20 @@ def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
     assert capsys.readouterr().err.strip() == f"error: {message}"
 
 
-def test_user_op_named_like_a_builtin_is_one_line(tmp_path, capsys):
-    (tmp_path / "clash.py").write_text(
-        "import jaxbwd\n"
-        "op = jaxbwd.define_op('silu', forward=lambda x: x, backward=lambda r, d: (d,))\n"
-        "SPEC = op.spec(reference=lambda x: x, examples=())\n")
-    assert cli.main(["list", "--ops", f"{tmp_path / 'clash.py'}:SPEC"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: jaxbwd.registry: op 'silu'") and err.endswith("clashes with jaxbwd's own op"), err
+@pytest.mark.parametrize("module, message", [
+    # define_op refuses the name when the module runs
+    ("import jaxbwd\n"
+     "op = jaxbwd.define_op('silu', forward=lambda x: x, backward=lambda r, d: (d,))\n"
+     "SPEC = op.spec(reference=lambda x: x, examples=())\n",
+     "error: jaxbwd.define_op('silu'): 'silu' is one of jaxbwd's own ops; choose another name"),
+    # a spec made by hand: the registry refuses it
+    ("import dataclasses\n"
+     "from jaxbwd import registry\n"
+     "SPEC = dataclasses.replace(registry.get('relu'), name='silu', family='user')\n",
+     "error: jaxbwd.registry: op 'silu' from {path} clashes with jaxbwd's own op"),
+], ids=["define_op", "OpSpec"])
+def test_user_op_named_like_a_builtin_is_one_line(module, message, tmp_path, capsys):
+    (tmp_path / "clash.py").write_text(module)
+    path = f"{tmp_path / 'clash.py'}:SPEC"
+    assert cli.main(["list", "--ops", path]) == 2
+    assert capsys.readouterr().err.strip() == message.format(path=path)

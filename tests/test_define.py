@@ -94,5 +94,62 @@ def test_backward_with_the_wrong_number_of_cotangents_is_an_error(backward):
     # A missing cotangent would otherwise leave that argument's gradient at zero.
     op = jaxbwd.define_op("mul_count_test", forward=lambda x, w: x * w, backward=backward)
     x = jnp.arange(6.0).reshape(2, 3)
-    with pytest.raises(TypeError, match=r"mul_count_test: backward returned|Custom VJP bwd rule must produce"):
+    with pytest.raises(TypeError, match=r"mul_count_test: backward returned a tuple of \d, expected a tuple of 2"):
         jax.grad(lambda x, w: jnp.sum(op(x, w)), (0, 1))(x, x + 1)
+
+
+def _grad_of(op, **static):
+    return lambda: jax.grad(lambda x: jnp.sum(op(x, **static)))(jnp.ones((4, 8)))
+
+
+@pytest.mark.parametrize("make, static, error, message", [
+    (lambda: jaxbwd.define_op("pair_out_test", forward=lambda x: (x, x), backward=lambda r, d: (d,)),
+     {}, TypeError, r"jaxbwd\.pair_out_test: forward must return one array, got a tuple of 2"),
+    (lambda: jaxbwd.define_op("no_res_test", forward=lambda x: 2 * x, fwd=lambda x: 2 * x,
+                              backward=lambda r, d: (2 * d,)),
+     {}, TypeError, r"jaxbwd\.no_res_test: fwd must return a pair \(out, res\)"),
+    (lambda: jaxbwd.define_op("bare_ct_test", forward=lambda x: 2 * x, backward=lambda r, d: 2 * d),
+     {}, TypeError, r"jaxbwd\.bare_ct_test: backward returned \w+, expected a tuple of 1 cotangent"),
+    (lambda: jaxbwd.define_op("ct_shape_test", forward=lambda x: 2 * x, backward=lambda r, d: (d[:2],)),
+     {}, ValueError, r"jaxbwd\.ct_shape_test: backward's cotangent for argument 0 has shape \(2, 8\), "
+                     r"expected \(4, 8\)"),
+    (lambda: jaxbwd.define_op("kwarg_test", forward=lambda x, *, alpha=1.0: alpha * x,
+                              backward=lambda r, d, *, alpha=1.0: (alpha * d,)),
+     {"beta": 2.0}, TypeError, r"jaxbwd\.kwarg_test: got an unexpected keyword argument 'beta'; "
+                               r"the op's forward is kwarg_test\(x, \*, alpha=1\.0\)"),
+    (lambda: softplus, {"beta": 2.0}, TypeError, r"jaxbwd\.softplus_test: got an unexpected keyword argument 'beta'"),
+    (lambda: jaxbwd.define_elementwise("scaled_test", lambda x, a=1.0: a * x, lambda x, a=1.0: a + 0 * x),
+     {"a": jnp.array(2.0)}, TypeError, r"jaxbwd\.scaled_test: static keyword arguments must be hashable"),
+], ids=["tuple-forward", "fwd-without-res", "backward-not-a-tuple", "cotangent-shape", "unknown-keyword",
+        "elementwise-unknown-keyword", "elementwise-array-param"])
+def test_a_user_rule_of_the_wrong_form_fails_by_the_ops_name(make, static, error, message):
+    """Mistakes in a user's rules surface as the op's own error, not as an assertion or a
+    shape error deep inside JAX."""
+    with pytest.raises(error, match=message):
+        _grad_of(make(), **static)()
+
+
+def test_cotangents_take_their_arguments_dtype():
+    """A backward computing in another precision still gives jax.grad's dtype contract."""
+    op = jaxbwd.define_op("f16_ct_test", forward=lambda x: 2 * x, backward=lambda r, d: ((2 * d).astype(jnp.float16),))
+    g = _grad_of(op)()
+    assert g.dtype == jnp.float32
+    jaxbwd.testing.assert_close(g, jnp.full((4, 8), 2.0), 0.0)
+    gv = jax.vmap(jax.grad(lambda x: jnp.sum(op(x))))(jnp.ones((3, 5)))
+    assert gv.dtype == jnp.float32 and gv.shape == (3, 5)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(name="rms_norm"), ValueError, r"define_op\('rms_norm'\): 'rms_norm' is one of jaxbwd's own ops"),
+    (dict(name="my op"), ValueError, r"define_op: name must be a Python identifier .* got 'my op'"),
+    (dict(name="fwd_test", forward=None), TypeError,
+     r"define_op\('fwd_test'\): forward must be callable, got NoneType"),
+    (dict(name="tan_test", tangent="jvp"), TypeError,
+     r"define_op\('tan_test'\): tangent must be callable or None, got str"),
+    (dict(name="k_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels="k_test_bwd"), TypeError,
+     r"define_op\('k_test'\): kernels must be a sequence of pallas_call names"),
+], ids=["builtin-name", "not-an-identifier", "forward", "tangent", "kernels-a-string"])
+def test_define_op_checks_its_arguments(kwargs, error, message):
+    full = dict(forward=lambda x: x, backward=lambda r, d: (d,)) | kwargs
+    with pytest.raises(error, match=message):
+        jaxbwd.define_op(full.pop("name"), **full)

@@ -267,11 +267,6 @@ if _HAVE_HIJAX:
 
         def vjp_bwd(self, res, outgrad, *arg_accums):
             cts = self.rules.bwd(res, _inst(outgrad))
-            if not isinstance(cts, (tuple, list)) or len(cts) != len(arg_accums):
-                # a user op's backward (define_op) with a cotangent too few would leave zeros
-                got = f"{len(cts)} cotangent(s)" if isinstance(cts, (tuple, list)) else type(cts).__name__
-                raise TypeError(f"jaxbwd.{self.rules.name}: backward returned {got}, expected a tuple "
-                                f"of {len(arg_accums)} (one per array argument, None for integer ones)")
             for acc, ct in zip(arg_accums, cts):
                 if isinstance(acc, _GradAccum) and ct is not None:
                     acc.accum(ct)
