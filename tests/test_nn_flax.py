@@ -701,6 +701,29 @@ def test_modules_check_implementation_when_built():
         type("MyNorm", (jnnx.LayerNorm,), {})(4, implementation="cuda", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("make", [
+    lambda impl: ("linen", jnn.Dense(8, implementation=impl, param_dtype=jnp.float64)),
+    lambda impl: ("linen", jnn.MultiHeadDotProductAttention(num_heads=2, implementation=impl,
+                                                            param_dtype=jnp.float64)),
+    lambda impl: ("nnx", jnnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False, implementation=impl,
+                                                 param_dtype=jnp.float64, rngs=nnx.Rngs(0))),
+], ids=["Dense", "MultiHeadDotProductAttention", "nnx.MultiHeadAttention"])
+def test_float64_modules_follow_the_ops_rule(make):
+    """float64 under a module's implementation="pallas" is the op's TypeError in every
+    module (the attention modules, whose op is reached through flax's attention_fn, too);
+    under "xla" the module runs in float64."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(_rand((2, 4, 8)), jnp.float64)
+
+        def run(impl):
+            kind, m = make(impl)
+            return m(x) if kind == "nnx" else m.apply(m.init(jax.random.PRNGKey(0), x), x)
+
+        with pytest.raises(TypeError, match=r"implementation='pallas' has no float64 kernels"):
+            run("pallas")
+        assert run("xla").dtype == jnp.float64
+
+
 @pytest.mark.parametrize("shape,heads,match", [
     ((4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(4, 16\)"),
     ((1, 4, 4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(1, 4, 4, 16\)"),

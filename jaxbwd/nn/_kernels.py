@@ -8,7 +8,9 @@ runs flax's own ``__call__`` instead.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import contextvars
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -212,3 +214,28 @@ def check_attention_call(module: str, x, num_heads: int, num_kv_heads: int) -> N
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"jaxbwd.{module}: num_heads must be a multiple of num_kv_heads (>= 1), got "
                          f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
+
+
+_ATTENTION_IMPL: contextvars.ContextVar = contextvars.ContextVar("jaxbwd_nn_attention_impl", default=None)
+
+
+@contextlib.contextmanager
+def attention_implementation(impl: Optional[str]):
+    """The implementation of a MultiHeadAttention module, during its call: its default
+    ``attention_fn`` passes it to the op per call (so that "pallas" with float64 inputs is
+    the op's TypeError, as in every other module), and :func:`jaxbwd.config.use` makes it the
+    default for a user's ``attention_fn`` that calls jaxbwd's ops itself."""
+    if impl is None:
+        yield
+        return
+    token = _ATTENTION_IMPL.set(impl)
+    try:
+        with jaxbwd.config.use(implementation=impl):
+            yield
+    finally:
+        _ATTENTION_IMPL.reset(token)
+
+
+def attention_impl() -> Optional[str]:
+    """The calling MultiHeadAttention module's implementation (None outside one)."""
+    return _ATTENTION_IMPL.get()

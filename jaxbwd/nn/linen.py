@@ -9,7 +9,6 @@ other runs flax's own ``__call__``, so the result is flax's: no argument is igno
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import flax.linen as fnn
@@ -209,7 +208,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     if bias is not None and not jnp.issubdtype(jnp.result_type(bias), jnp.inexact):
         bias = jnp.asarray(bias).astype(query.dtype)
     # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
-    out = jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0)
+    out = jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0,
+                                       implementation=K.attention_impl())
     if force_fp32_for_softmax and query.dtype != jnp.float32:
         # flax multiplies its float32 weights into v: the result is promoted with float32.
         out = out.astype(jnp.promote_types(jnp.float32, value.dtype))
@@ -220,8 +220,8 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
     """``flax.linen.MultiHeadDotProductAttention`` (all its arguments and parameters) whose
     default ``attention_fn`` is :func:`dot_product_attention` above (jaxbwd's op where it
     covers the call, flax's function otherwise); projections are flax's ``DenseGeneral``.
-    ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
-    Source: Vaswani et al. (2017).
+    ``implementation`` applies to the attention op (and, via :func:`jaxbwd.config.use`, to
+    jaxbwd's ops in a user's ``attention_fn``). Source: Vaswani et al. (2017).
     """
 
     attention_fn: Callable[..., Any] = dot_product_attention
@@ -230,8 +230,7 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
 
     @fnn.compact
     def __call__(self, *args, **kwargs):
-        ctx = jaxbwd.config.use(implementation=self.implementation) if self.implementation else contextlib.nullcontext()
-        with ctx:
+        with K.attention_implementation(self.implementation):
             return super().__call__(*args, **kwargs)
 
 

@@ -10,7 +10,6 @@ and flax's own ``__call__`` otherwise: no argument is ignored.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import jax
@@ -221,13 +220,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
         query, key, value, bias, mask = flat(query), flat(key), flat(value), flat(bias), flat(mask)
     mask = None if mask is None else mask.astype(jnp.bool_)
-    return jaxbwd.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal).reshape(shape)
+    return jaxbwd.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal,
+                                        implementation=K.attention_impl()).reshape(shape)
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
     """``flax.nnx.MultiHeadAttention`` (same constructor) whose default ``attention_fn`` is
     :func:`dot_product_attention` above; projections, norms, decode cache and state are
-    flax's. ``implementation`` applies to the attention op (via :func:`jaxbwd.config.use`).
+    flax's. ``implementation`` applies to the attention op (and, via
+    :func:`jaxbwd.config.use`, to jaxbwd's ops in a user's ``attention_fn``).
     Source: Vaswani et al. (2017).
     """
 
@@ -238,8 +239,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
         self._set_impl(implementation)
 
     def __call__(self, *args, **kwargs):
-        impl = self.implementation
-        with jaxbwd.config.use(implementation=impl) if impl else contextlib.nullcontext():
+        with K.attention_implementation(self.implementation):
             return super().__call__(*args, **kwargs)
 
 
