@@ -123,6 +123,7 @@ _BIG = 2**31 + 2**27
 LARGE = [
     ("silu", lambda x: jaxbwd.silu(x, implementation="pallas"), ((65536, 40960),), "silu_bwd"),
     ("gelu 1-D", lambda x: jaxbwd.gelu(x, implementation="pallas"), ((_BIG,),), "gelu_bwd"),
+    ("gelu 1-D odd", lambda x: jaxbwd.gelu(x, implementation="pallas"), ((2**31 + 1,),), "gelu_bwd"),
     ("swiglu", lambda g, u: jaxbwd.swiglu(g, u, implementation="pallas"), ((65536, 40960), (65536, 40960)), "swiglu_bwd"),
     ("gated_linear_unit", lambda x: jaxbwd.gated_linear_unit(x, implementation="pallas"), ((65536, 81920),), "glu_bwd"),
     ("pixel_shuffle", lambda x: jaxbwd.pixel_shuffle(x, 2, implementation="pallas"), ((64, 512, 512, 256),), "pixel_shuffle_bwd"),
@@ -152,6 +153,9 @@ def test_kernels_lower_past_int32_elements(name, fn, shapes, kernel):
 
 @pytest.mark.parametrize("shape,rows,cols", [
     ((65536, 40960), 65536, 40960), ((2**31 + 2**27,), (2**31 + 2**27) // 1024, 1024), ((8, 3), 3, 8), ((7,), 7, 1),
+    # odd sizes past int32 elements: a divisor that is not a power of two
+    ((2**31 + 1,), (2**31 + 1) // 3, 3), ((3 * 5 * 7 * 2**28,), 3 * 5 * 7 * 2**18, 1024),
+    ((5 * 7 * (2**31 - 1),), 2**31 - 1, 35), ((1, 3 * 715827883), 715827883, 3),
 ])
 def test_elementwise_views_stay_in_int32(shape, rows, cols):
     from jaxbwd.pallas import _common

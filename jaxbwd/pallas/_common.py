@@ -115,8 +115,9 @@ def as_2d(op: str, shape: Sequence[int]) -> tuple[int, int]:
     """A [rows, cols] view of an array of ``shape`` for elementwise kernels.
 
     The last axis when it is wide enough to coalesce (>= 16) and within int32, else the
-    largest power-of-two divisor of the size up to 1024; both extents within int32
-    (``check_index_range``).
+    largest power-of-two divisor of the size up to 1024, else (an odd size past int32
+    elements) the largest divisor up to 1024 that brings the rows within int32; both extents
+    within int32 (``check_index_range``: a prime size past int32 has no such view).
     """
     n = math.prod(shape)
     last = shape[-1] if len(shape) else 1
@@ -126,6 +127,8 @@ def as_2d(op: str, shape: Sequence[int]) -> tuple[int, int]:
         cols = 1024
         while cols > 1 and n % cols:
             cols //= 2
+        if n // cols > MAX_DIM:
+            cols = next((c for c in range(1024, cols, -1) if n % c == 0 and n // c <= MAX_DIM), cols)
         rows = n // cols
     check_index_range(op, rows=rows, cols=cols)
     return rows, cols
