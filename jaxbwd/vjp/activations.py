@@ -71,7 +71,7 @@ def silu(x, *, implementation=None):
     """SiLU (swish): ``x * sigmoid(x)``, elementwise.
 
     Args:
-      x: [...] float32, bfloat16 or float16 (any shape, including scalars).
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path) (any shape, including scalars).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -97,7 +97,7 @@ def gelu(x, *, approximate=True, implementation=None):
     """GELU, ``x * Phi(x)``, elementwise; the tanh approximation when ``approximate``.
 
     Args:
-      x: [...] float32, bfloat16 or float16.
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       approximate: bool. ``True``: ``x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x**3)))``
         (GPT-2, ``jax.nn.gelu``'s default); ``False``: exact, ``Phi`` the normal CDF.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
@@ -125,7 +125,7 @@ def relu(x, *, implementation=None):
     """ReLU, ``max(x, 0)``, elementwise, as ``jax.nn.relu`` (gradient 0 at x = 0).
 
     Args:
-      x: [...] float32, bfloat16 or float16 (any shape).
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path) (any shape).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -154,7 +154,7 @@ def leaky_relu(x, negative_slope=0.01, *, implementation=None):
     """Leaky ReLU as ``jax.nn.leaky_relu``: ``x`` where ``x >= 0``, else ``negative_slope * x``.
 
     Args:
-      x: [...] float32, bfloat16 or float16.
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       negative_slope: a static Python number (default 0.01, jax.nn's); any real value.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
@@ -183,7 +183,7 @@ def sigmoid(x, *, implementation=None):
     """Logistic sigmoid ``1 / (1 + exp(-x))``, elementwise, as ``jax.nn.sigmoid``.
 
     Args:
-      x: [...] float32, bfloat16 or float16.
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -208,7 +208,7 @@ def tanh(x, *, implementation=None):
     """Hyperbolic tangent, elementwise, as ``jnp.tanh``.
 
     Args:
-      x: [...] float32, bfloat16 or float16.
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -329,7 +329,7 @@ def gated_linear_unit(x, *, activation="silu", limit=None, implementation=None):
     (For ``jax.nn.glu``'s ``x1 * sigmoid(x2)`` see :func:`glu`.)
 
     Args:
-      x: [..., 2d] float32, bfloat16 or float16; gate is the first half of the last axis,
+      x: [..., 2d] float32, bfloat16 or float16 (float64 on the XLA path); gate is the first half of the last axis,
         up the second (one GEMM produces both).
       activation: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU, tanh form) or ``"gelu_exact"``.
       limit: ``None`` or a positive Python number; clamps as in :func:`swiglu`.
@@ -472,7 +472,7 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
     """Softmax over ``axis``, as ``jax.nn.softmax``: ``exp(x - max) / sum(exp(x - max))``.
 
     Args:
-      x: [...] float32, bfloat16 or float16, rank >= 1. ``-inf`` entries are masked out;
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path), rank >= 1. ``-inf`` entries are masked out;
         a slice that is entirely ``-inf`` gives zeros (not NaN) and zero gradients.
       axis: an int in ``[-x.ndim, x.ndim)``, a tuple of them (the softmax is taken over
         their joint entries), or ``None`` (all axes), as ``jax.nn.softmax``.

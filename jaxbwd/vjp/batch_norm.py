@@ -95,7 +95,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
     """Batch normalisation over every axis but ``axis`` (NHWC: over N, H, W per channel).
 
     Args:
-      x: [..., C, ...] float32, bfloat16 or float16, rank >= 2, channels on ``axis``.
+      x: [..., C, ...] float32, bfloat16 or float16 (float64 on the XLA path), rank >= 2, channels on ``axis``.
       weight, bias: [C], one floating dtype (flax's ``scale`` and ``bias``).
       running_mean, running_var: [C] floating or ``None`` (flax's ``batch_stats``).
       momentum: static number in [0, 1]: ``new = momentum * running + (1 - momentum) * batch``

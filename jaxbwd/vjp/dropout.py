@@ -96,7 +96,7 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     2**-24).
 
     Args:
-      x: [...] float32, bfloat16 or float16.
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       rate: static Python number in [0, 1].
       rng: a threefry key (``jax.random.key`` or ``jax.random.PRNGKey``); required unless
         deterministic or rate == 0. May be traced (a new key per step).
@@ -174,7 +174,7 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     residual)``); ``residual`` alone when ``rate == 1``.
 
     Args:
-      x: [..., D] float32, bfloat16 or float16.
+      x: [..., D] float32, bfloat16 or float16 (float64 on the XLA path).
       bias: [D] floating (added in x's dtype, as :func:`bias_add`).
       residual: x's shape and dtype.
       rate: static Python number in [0, 1].

@@ -81,7 +81,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
 
     Args:
       ids: [...] integer token ids (may be traced, vmapped).
-      table: [V, D] float32, bfloat16 or float16.
+      table: [V, D] float32, bfloat16 or float16 (float64 on the XLA path).
       padding_idx: ``None`` or a Python int in [-V, V) (negative counts from the end, as
         torch.nn.Embedding). The forward returns that row as stored; its gradient is zero.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.

@@ -112,7 +112,7 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
     (the GroupNorm+SiLU of UNets, fused in forward and backward).
 
     Args:
-      x: [N, ..., C] float32, bfloat16 or float16, any number (>= 0) of spatial dims
+      x: [N, ..., C] float32, bfloat16 or float16 (float64 on the XLA path), any number (>= 0) of spatial dims
         (images [N, H, W, C], volumes [N, D, H, W, C], sequences [N, L, C]).
       weight, bias: [C] floating.
       num_groups: positive int dividing C (32 in Stable Diffusion's UNet).

@@ -283,7 +283,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     ``eps = z_loss = 0`` it equals ``optax.softmax_cross_entropy_with_integer_labels``.
 
     Args:
-      logits: [..., V] float32, bfloat16 or float16 (math in float32). Entries may be
+      logits: [..., V] float32, bfloat16 or float16 (float64 on the XLA path) (math in float32). Entries may be
         -inf (masked vocabulary): the loss is finite as long as the label's logit is finite
         and ``label_smoothing == 0`` (smoothing puts mass on every class, so a -inf logit
         makes the smoothed loss +inf, as in optax).

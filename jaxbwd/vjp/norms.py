@@ -105,7 +105,7 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
     """Root-mean-square layer normalisation: ``x * rsqrt(mean(x**2) + eps) * (weight_offset + weight)``.
 
     Args:
-      x: [..., D] float32, bfloat16 or float16; normalised over the last axis.
+      x: [..., D] float32, bfloat16 or float16 (float64 on the XLA path); normalised over the last axis.
       weight: [D] floating; the scale. ``weight_offset=1.0`` gives Gemma's ``(1 + weight)``.
       eps: positive float added to the mean square.
       weight_offset: float added to ``weight`` (0.0 for Llama, 1.0 for Gemma).
@@ -170,7 +170,7 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     """Layer normalisation over the last axis: ``(x - mean) * rsqrt(var + eps) * weight + bias``.
 
     Args:
-      x: [..., D] float32, bfloat16 or float16.
+      x: [..., D] float32, bfloat16 or float16 (float64 on the XLA path).
       weight, bias: [D] floating.
       eps: positive float added to the variance.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.

@@ -164,7 +164,7 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
     """Max pooling over NHWC windows, as ``flax.linen.max_pool`` on 4-D inputs.
 
     Args:
-      x: [N, H, W, C] float32, bfloat16 or float16.
+      x: [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path).
       window_shape: int or (kh, kw). strides: None (1), int or (sh, sw).
       padding: ``"VALID"``, ``"SAME"`` or ((top, bottom), (left, right)); padded cells are -inf.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
@@ -242,7 +242,7 @@ def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad
     """Average pooling over NHWC windows, as ``flax.linen.avg_pool`` on 4-D inputs.
 
     Args:
-      x: [N, H, W, C] float32, bfloat16 or float16.
+      x: [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path).
       window_shape, strides, padding: as :func:`max_pool2d` (padded cells are zeros).
       count_include_pad: static bool; True divides by kh*kw (flax's default), False by the
         number of unpadded cells in each window.

@@ -70,7 +70,7 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean", implementa
     """Mean squared error ``w * (predictions - targets)**2``, reduced.
 
     Args:
-      predictions: [...] float32, bfloat16 or float16.
+      predictions: [...] float32, bfloat16 or float16 (float64 on the XLA path).
       targets: predictions' shape and dtype.
       weights: ``None`` or per-element weights of predictions' shape (any floating dtype);
         differentiable too.

@@ -128,7 +128,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     works the same.
 
     Args:
-      x: [B, T, N, H] float32, bfloat16 or float16; H even.
+      x: [B, T, N, H] float32, bfloat16 or float16 (float64 on the XLA path); H even.
       positions: ``None``, or [T] (shared) or [B, T] (per sequence, e.g. packing); integer,
         or floating for fractional positions (computed in float32; they get no gradient).
       start_pos: used when ``positions`` is None: positions are ``start_pos + arange(T)``.

@@ -87,7 +87,7 @@ def upsample2d(x, scale, *, method="nearest", implementation=None):
     """Upsamples images x [N, H, W, C] by integer factors.
 
     Args:
-      x: [N, H, W, C] float32, bfloat16 or float16.
+      x: [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path).
       scale: int or (sh, sw), each >= 1.
       method: ``"nearest"`` (each pixel repeated sh x sw times) or ``"bilinear"``
         (half-pixel centres, edges clamped: ``jax.image.resize(x, ..., "bilinear")``).
@@ -151,7 +151,7 @@ def pixel_shuffle(x, upscale_factor, *, implementation=None):
     ``out[n, h*r+i, w*r+j, c] = x[n, h, w, c*r*r + i*r + j]``.
 
     Args:
-      x: [N, H, W, C*r*r] float32, bfloat16 or float16.
+      x: [N, H, W, C*r*r] float32, bfloat16 or float16 (float64 on the XLA path).
       upscale_factor: r, a positive Python int; x's channel count must be divisible by r*r.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
@@ -214,7 +214,7 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
     ``out[n, gi*p+i, gj*p+j, c] = tokens[n, gi*gw+gj, (i*p+j)*C + c]``.
 
     Args:
-      tokens: [N, gh*gw, p*p*C] float32, bfloat16 or float16.
+      tokens: [N, gh*gw, p*p*C] float32, bfloat16 or float16 (float64 on the XLA path).
       grid: gh (square) or (gh, gw), patches per column and per row.
       patch_size: p, a positive int. channels: C, a positive int.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
@@ -334,7 +334,7 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
     * w[a, b, ci, co]`` with g = co // (Cout/G), zero padding outside the image.
 
     Args:
-      x: [N, H, W, Cin] float32, bfloat16 or float16.
+      x: [N, H, W, Cin] float32, bfloat16 or float16 (float64 on the XLA path).
       w: [kh, kw, Cin/groups, Cout], x's dtype.
       stride, dilation: int or (sh, sw) / (dh, dw), each >= 1.
       padding: int, (ph, pw), ((top, bottom), (left, right)), "SAME" or "VALID" (as lax),
