@@ -71,7 +71,7 @@ def silu(x, *, implementation=None):
     """SiLU (swish): ``x * sigmoid(x)``, elementwise.
 
     Args:
-      x: [...] float32, bfloat16 or float16 (float64 on the XLA path) (any shape, including scalars).
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path); any shape, including scalars.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
@@ -125,7 +125,7 @@ def relu(x, *, implementation=None):
     """ReLU, ``max(x, 0)``, elementwise, as ``jax.nn.relu`` (gradient 0 at x = 0).
 
     Args:
-      x: [...] float32, bfloat16 or float16 (float64 on the XLA path) (any shape).
+      x: [...] float32, bfloat16 or float16 (float64 on the XLA path); any shape.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:

@@ -283,7 +283,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
     (optax's smoothed softmax cross-entropy plus PaLM's z-loss, as :func:`jaxbwd.cross_entropy`).
 
     Args:
-      x: [..., D] float32, bfloat16 or float16 (float64 on the XLA path) (the final hidden states).
+      x: [..., D] float32, bfloat16 or float16 (float64 on the XLA path): the final hidden states.
       w: [D, V] (a Dense kernel, ``flax.linen.Dense``/``nnx.Linear`` layout), or with
         ``transpose_w=True`` [V, D] (an embedding table, ``nn.Embed.embedding``: a tied
         head ``x @ table.T`` without a transposed copy). Floating; x and w of different

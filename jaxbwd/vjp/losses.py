@@ -283,9 +283,9 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     ``eps = z_loss = 0`` it equals ``optax.softmax_cross_entropy_with_integer_labels``.
 
     Args:
-      logits: [..., V] float32, bfloat16 or float16 (float64 on the XLA path) (math in float32). Entries may be
-        -inf (masked vocabulary): the loss is finite as long as the label's logit is finite
-        and ``label_smoothing == 0`` (smoothing puts mass on every class, so a -inf logit
+      logits: [..., V] float32, bfloat16 or float16, math in float32 (float64 on the XLA
+        path). Entries may be -inf (masked vocabulary): the loss is finite as long as the
+        label's logit is finite and ``label_smoothing == 0`` (smoothing puts mass on every class, so a -inf logit
         makes the smoothed loss +inf, as in optax).
       labels: [...] integer, the same leading shape. Rows whose label equals
         ``ignore_index`` are ignored (loss 0, gradient 0). Out-of-range labels (< 0 or
