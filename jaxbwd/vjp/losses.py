@@ -285,8 +285,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Args:
       logits: [..., V] float32, bfloat16 or float16, math in float32 (float64 on the XLA
         path). Entries may be -inf (masked vocabulary): the loss is finite as long as the
-        label's logit is finite and ``label_smoothing == 0`` (smoothing puts mass on every class, so a -inf logit
-        makes the smoothed loss +inf, as in optax).
+        label's logit is finite and ``label_smoothing == 0`` (smoothing puts mass on every
+        class, so a -inf logit makes the smoothed loss +inf, as in optax).
       labels: [...] integer, the same leading shape. Rows whose label equals
         ``ignore_index`` are ignored (loss 0, gradient 0). Out-of-range labels (< 0 or
         >= V) are treated as ignored too: no out-of-bounds read, no NaN.
