@@ -170,6 +170,45 @@ def test_unsplittable_huge_input_is_a_clear_error():
         _common.as_2d("silu", (2**32 + 15,))
 
 
+# ------------------------------------------- index arrays narrower than the sizes they index
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dt", [jnp.uint8, jnp.int8, jnp.int16])
+def test_narrow_integer_indices_are_compared_in_int32(dt, impl):
+    """uint8/int8/int16 ids, labels and lengths address V or S past their dtype's range
+    (V = 40000 for int16): compared in their own dtype, V wrapped (uint8 300 is 44) and
+    valid entries were dropped or ignored."""
+    V = 40000 if dt == jnp.int16 else 300
+    idx = np.array([5, 100, 120] if dt != jnp.int16 else [5, 30000, 32000])
+    ids = jnp.asarray(idx, dt)
+    key = jax.random.PRNGKey(0)
+    table = jax.random.normal(key, (V, 4), f32)
+    chex.assert_trees_all_equal(jaxbwd.embed(ids, table, implementation=impl), table[idx])
+    g = jax.grad(lambda t: jnp.sum(jaxbwd.embed(ids, t, implementation=impl)))(table)
+    chex.assert_trees_all_equal(g[idx], jnp.ones((3, 4), f32))
+    logits = jax.random.normal(key, (3, V), f32)
+    want = optax_ce(logits, idx)
+    chex.assert_trees_all_close(jaxbwd.cross_entropy(logits, ids, reduction="none", implementation=impl), want,
+                                rtol=1e-5, atol=1e-5)
+    x, w = jax.random.normal(key, (3, 8), f32), jax.random.normal(jax.random.PRNGKey(1), (8, V), f32) / 3
+    chex.assert_trees_all_close(jaxbwd.linear_cross_entropy(x, w, ids, reduction="none", implementation=impl),
+                                optax_ce(x @ w, idx), rtol=1e-4, atol=1e-4)
+    if dt == jnp.int16:
+        return
+    # key lengths: 200 of S = 300 keys (uint8 clips 200 to 0..300 = 44 in its own dtype)
+    q = jax.random.normal(key, (1, 4, 1, 8), f32)
+    kv = jax.random.normal(jax.random.PRNGKey(2), (1, 300, 1, 8), f32)
+    att = lambda n: jaxbwd.dot_product_attention(q, kv, kv, key_value_seq_lengths=n, implementation=impl)  # noqa: E731
+    chex.assert_trees_all_close(att(jnp.array([100], dt)), att(jnp.array([100], i32)), atol=1e-6)
+
+
+def optax_ce(logits, labels):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(labels, i32))
+
+
 # ------------------------------------------------- integers past int32, float64 on the kernels
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax.linen.linear import canonicalize_padding
 
 import jaxbwd
+from jaxbwd.vjp import _base as B
 
 
 def _axes(ndim: int, axes) -> tuple:
@@ -98,6 +99,7 @@ def embed_lookup(ids, table, impl):
     are restored here (one select over the output, fused by XLA).
     """
     V = table.shape[0]
+    ids = B.check_int("embed", "ids", ids)  # uint8/int16 ids widened: V may not fit their dtype
     wrapped = jnp.where(ids < 0, ids + V, ids)
     y = jaxbwd.embed(wrapped, table, implementation=impl)
     if not jnp.issubdtype(table.dtype, jnp.inexact):

@@ -101,10 +101,16 @@ def check_float(op: str, name: str, x: Any) -> None:
         )
 
 
-def check_int(op: str, name: str, x: Any) -> None:
+def check_int(op: str, name: str, x: Any) -> Any:
+    """Checks an integer index array and returns it as the ops use it: a dtype narrower than
+    32 bits widened to int32, since indices are compared with sizes and offsets (V, S, an
+    ignore_index) that such a dtype cannot hold: uint8 300 is 44, int8 -100 is -100 only by
+    luck. Wider dtypes are returned as given."""
     check_array(op, name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"jaxbwd.{op}: {name} must have an integer dtype, got {_dtype_name(x)}")
+    x = jnp.asarray(x)
+    return x.astype(jnp.int32) if jnp.iinfo(x.dtype).bits < 32 else x
 
 
 def check_ndim(op: str, name: str, x: Any, *, min_ndim: int = 0, ndim: Optional[int] = None, what: str = "") -> None:

@@ -294,12 +294,12 @@ def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap
                     f"got a sequence of length {len(segment_ids)}"
                 )
             qseg, kseg = segment_ids
-            B.check_int(OP, "segment_ids[0]", qseg)
-            B.check_int(OP, "segment_ids[1]", kseg)
+            qseg = B.check_int(OP, "segment_ids[0]", qseg)
+            kseg = B.check_int(OP, "segment_ids[1]", kseg)
             B.check_shape(OP, "segment_ids[0]", qseg, (Bsz, T), what="([B, T])")
             B.check_shape(OP, "segment_ids[1]", kseg, (Bsz, S), what="([B, S])")
         else:
-            B.check_int(OP, "segment_ids", segment_ids)
+            segment_ids = B.check_int(OP, "segment_ids", segment_ids)
             if T != S:
                 raise ValueError(
                     f"jaxbwd.{OP}: segment_ids must be a pair ([B, T], [B, S]) when T != S, "
@@ -370,7 +370,7 @@ def _check_lengths(name, x, Bsz, n):
     """int32 lengths clipped to [0, n] before the cast (64-bit lengths past int32 do not wrap)."""
     if x is None:
         return None
-    B.check_int(OP, name, x)
+    x = B.check_int(OP, name, x)
     B.check_shape(OP, name, x, (Bsz,), what="([B])")
     return jnp.clip(x, 0, n).astype(jnp.int32)
 

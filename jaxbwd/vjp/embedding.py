@@ -111,7 +111,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
     ``padding_idx``).
     """
     op = "embed"
-    B.check_int(op, "ids", ids)
+    ids = B.check_int(op, "ids", ids)
     B.check_float(op, "table", table)
     B.check_ndim(op, "table", table, ndim=2, what="([V, D])")
     B.check_nonempty_axis(op, "table", table, 0, "vocabulary axis V")

@@ -343,7 +343,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
     V = int(w.shape[1 - d_axis])
     if V < 1:
         raise ValueError(f"jaxbwd.{op}: w must have at least one vocabulary entry (V >= 1), got shape {tuple(w.shape)}")
-    B.check_int(op, "labels", labels)
+    labels = B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, x.shape[:-1], what="(x.shape[:-1])")
     ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
     cap = None

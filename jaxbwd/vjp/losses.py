@@ -251,7 +251,7 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
         logits = B.apply_where(op, "logits", logits, where)
     logits = last(logits)
     if where is not None:
-        B.check_int(op, "labels", labels)
+        labels = B.check_int(op, "labels", labels)
         labels = jnp.where(jnp.any(last(where), axis=-1), labels, jnp.asarray(ignore_index, labels.dtype))
     return logits, labels
 
@@ -339,7 +339,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     if axis != -1 or where is not None:
         logits, labels = _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing)
     B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
-    B.check_int(op, "labels", labels)
+    labels = B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, logits.shape[:-1],
                   what="(logits' shape without the class axis)" if axis != -1 else "(logits.shape[:-1])")
     if logits.shape[-1] < 1:
