@@ -187,20 +187,12 @@ if _HAVE_HIJAX:
 
     def _batched_bwd(rules, axis_data, dims, res, res_dims, ct):
         """vmap of the bwd rule; cotangents of unbatched arguments are summed over the batch."""
-        probe = jax.eval_shape(lambda r, c: rules.bwd(r, c), *_unbatched_shapes(axis_data, res, res_dims, ct))
+        # Which cotangents are None, from the vmapped rule: a rule with collectives over the
+        # vmapped axis name (batch_norm's axis_name) needs that name bound to be traced.
+        probe = jax.eval_shape(_hijax.vmap_rule(axis_data, rules.bwd, (res_dims, 0), 0), res, ct)
         out_axes = tuple(None if p is None else (_batching.sum_axis if d is None else d)
                          for p, d in zip(probe, dims))
         return _hijax.vmap_rule(axis_data, rules.bwd, (res_dims, 0), out_axes, sum_match=True)(res, ct)
-
-    def _unbatched_shapes(axis_data, res, res_dims, ct):
-        def drop(x, d):
-            if x is None or d is None:
-                return x
-            shape = x.shape[:d] + x.shape[d + 1:]
-            return jax.ShapeDtypeStruct(shape, x.dtype)
-
-        res_u = jax.tree_util.tree_map(drop, res, res_dims, is_leaf=lambda x: x is None)
-        return res_u, jax.ShapeDtypeStruct(ct.shape[1:], ct.dtype)
 
     class _Tangent(_hijax.HiPrim):
         """The op's linear map at fixed residuals: forward the tangent rule, transpose the bwd rule."""
