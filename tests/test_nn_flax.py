@@ -701,6 +701,46 @@ def test_modules_check_implementation_when_built():
         type("MyNorm", (jnnx.LayerNorm,), {})(4, implementation="cuda", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dt", [jnp.uint8, jnp.int8])
+def test_embed_narrow_ids_past_their_range_match_flax(dt, impl):
+    """A vocabulary larger than the ids' dtype holds (300 > uint8's 255): flax's jnp.take
+    reads the rows; the wrap of V in the ids' dtype made rows of valid ids NaN."""
+    ids = jnp.asarray([5, 100, 120 if dt == jnp.int8 else 250], dt)
+    v = fnn.Embed(300, 4).init(jax.random.PRNGKey(0), ids)
+    chex.assert_trees_all_equal(jnn.Embed(300, 4, implementation=impl).apply(v, ids),
+                                fnn.Embed(300, 4).apply(v, ids))
+    chex.assert_trees_all_equal(jnnx.Embed(300, 4, rngs=nnx.Rngs(0), implementation=impl)(ids),
+                                nnx.Embed(300, 4, rngs=nnx.Rngs(0))(ids))
+    if dt == jnp.int8:
+        # A negative id counts from the end as an int32 id does: row 297 for -3 (jnp.take
+        # wraps -3 + 300 in int8, to row 41).
+        got = jnn.Embed(300, 4, implementation=impl).apply(v, jnp.asarray([-3], dt))
+        chex.assert_trees_all_equal(got, v["params"]["embedding"][297][None])
+
+
+def test_attention_fns_with_no_keys_give_flax_zeros():
+    q, kv = _rand((1, 2, 1, 4)), jnp.ones((1, 0, 1, 4))
+    chex.assert_trees_all_equal(jnn.dot_product_attention(q, kv, kv), fnn.dot_product_attention(q, kv, kv))
+    chex.assert_trees_all_equal(jnnx.dot_product_attention(q, kv, kv), nnx.dot_product_attention(q, kv, kv))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_norm_grad_through_a_named_vmap(impl):
+    """BatchNorm(axis_name=...) under vmap(axis_name=...) and grad, flax's multi-replica
+    pattern: the batched backward's shape probe traced the collective outside the axis."""
+    x = _rand((4, 3, 8))
+
+    def grads(m):
+        v = jax.vmap(lambda a: m.init(jax.random.PRNGKey(0), a), axis_name="d")(x)
+        loss = lambda p: jnp.sum(jnp.sin(jax.vmap(  # noqa: E731
+            lambda vv, a: m.apply(vv, a, mutable=["batch_stats"])[0], axis_name="d")({**v, "params": p}, x)))
+        return jax.grad(loss)(v["params"])
+
+    chex.assert_trees_all_close(grads(jnn.BatchNorm(use_running_average=False, axis_name="d", implementation=impl)),
+                                grads(fnn.BatchNorm(use_running_average=False, axis_name="d")), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("make", [
     lambda impl: ("linen", jnn.Dense(8, implementation=impl, param_dtype=jnp.float64)),
     lambda impl: ("linen", jnn.MultiHeadDotProductAttention(num_heads=2, implementation=impl,

@@ -118,7 +118,8 @@ class Embed(_Impl, fnn.Embed):
     Kernel path (:func:`jaxbwd.embed`, Pallas scatter-add backward): a floating table
     (after ``promote_dtype(..., dtype=dtype, inexact=False)``, as flax) and
     ``num_embeddings > 1``; ids in [-V, 0) wrap and ids outside [-V, V) give NaN rows, as
-    ``jnp.take`` in flax. ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted
+    ``jnp.take`` in flax (ids narrower than int32 are read as int32: a negative int8 id
+    wraps to V + id, where ``jnp.take`` wraps V + id again in int8). ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted
     operands: bf16 queries with an f32 table give f32 logits, as flax.
     Call: ids int [...] -> [..., features]. Source: a lookup table.
     """
@@ -187,7 +188,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     over the row). The softmax is always float32; with ``force_fp32_for_softmax=True`` and
     non-float32 inputs the result is promoted with float32, as flax's (whose float32 weights
     promote the product with v). q, k and v must share heads and depth (flax also takes
-    another value depth: its code runs then). Anything else runs flax's own function.
+    another value depth: its code runs then). Anything else (an empty key sequence too)
+    runs flax's own function.
     Source: Vaswani et al. (2017).
     """
     query, key, value = fnn.dtypes.promote_dtype(query, key, value, dtype=dtype)
@@ -198,7 +200,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                # also takes another value depth), keys and values of one length.
                and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]
                and query.shape[-2] == key.shape[-2] == value.shape[-2] and key.shape[-3] == value.shape[-3]
-               and query.shape[-1] == key.shape[-1] == value.shape[-1] and K.real(query))
+               and query.shape[-1] == key.shape[-1] == value.shape[-1] and K.real(query)
+               and key.shape[-3] > 0)  # no keys: flax's zeros (the op asks for S >= 1)
     if not covered:
         return fnn.dot_product_attention(
             query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,

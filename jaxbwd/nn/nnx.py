@@ -208,10 +208,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     sown), this runs jaxbwd's op with jax.nn's meaning: ``is_causal``, GQA (fewer kv
     heads) and unbatched inputs on the flash kernels, a dense ``bias``/``mask`` on the op's
     documented XLA path, several batch dims flattened as flax does. ``precision`` is
-    ignored there by flax too. Otherwise (dropout, ``module``) flax's function runs.
+    ignored there by flax too. Otherwise (dropout, ``module``, no keys) flax's function runs.
     Source: Vaswani et al. (2017).
     """
-    if dropout_rate != 0.0 or module is not None or query.ndim < 3:
+    if dropout_rate != 0.0 or module is not None or query.ndim < 3 or key.shape[-3] == 0:
         return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                                          deterministic, dtype, precision, module, promote_dtype, is_causal)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
