@@ -203,6 +203,18 @@ def test_narrow_integer_indices_are_compared_in_int32(dt, impl):
     chex.assert_trees_all_close(att(jnp.array([100], dt)), att(jnp.array([100], i32)), atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_cross_entropy_where_with_unsigned_labels(impl):
+    """A row with no class left under ``where`` is ignored; uint32 labels cannot hold the
+    default ignore_index -100 (an OverflowError before), so it takes an out-of-range label."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 300), f32)
+    where = jnp.ones((3, 300), bool).at[1].set(False)
+    want = jaxbwd.cross_entropy(logits, jnp.asarray([5, 100, 250], i32), where=where, implementation=impl)
+    for dt in (jnp.uint32, jnp.uint8):
+        got = jaxbwd.cross_entropy(logits, jnp.asarray([5, 100, 250], dt), where=where, implementation=impl)
+        chex.assert_trees_all_equal(got, want)
+
+
 def optax_ce(logits, labels):
     import optax
 

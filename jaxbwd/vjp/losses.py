@@ -252,7 +252,11 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
     logits = last(logits)
     if where is not None:
         labels = B.check_int(op, "labels", labels)
-        labels = jnp.where(jnp.any(last(where), axis=-1), labels, jnp.asarray(ignore_index, labels.dtype))
+        info = jnp.iinfo(labels.dtype)
+        # a row with no class left is ignored: ignore_index, or an out-of-range label (also
+        # ignored) where labels' dtype cannot hold ignore_index (uint32 and -100)
+        none_left = ignore_index if info.min <= ignore_index <= info.max else info.max
+        labels = jnp.where(jnp.any(last(where), axis=-1), labels, jnp.asarray(none_left, labels.dtype))
     return logits, labels
 
 
@@ -336,6 +340,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     op = "cross_entropy"
     B.check_float(op, "logits", logits)
     B.check_ndim(op, "logits", logits, min_ndim=1, what="([..., V])")
+    ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
     if axis != -1 or where is not None:
         logits, labels = _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing)
     B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
@@ -344,7 +349,6 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
                   what="(logits' shape without the class axis)" if axis != -1 else "(logits.shape[:-1])")
     if logits.shape[-1] < 1:
         raise ValueError(f"jaxbwd.{op}: logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
-    ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
     if reduction not in REDUCTIONS:
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
     # "v": the class axis may stay sharded (vocab-parallel: the op combines the shards itself)
