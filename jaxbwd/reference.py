@@ -11,11 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-
-def _index(x):
-    """Indices compared in at least int32 (a uint8 label cannot be compared with V = 300)."""
-    x = jnp.asarray(x)
-    return x.astype(jnp.int32) if jnp.iinfo(x.dtype).bits < 32 else x
+# indices compared in at least int32 (a uint8 label cannot be compared with V = 300)
+from jaxbwd.vjp._base import widen_index
 
 
 def _f32(x):
@@ -189,7 +186,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     """
     xf = _f32(logits)
     V = logits.shape[-1]
-    labels = _index(labels)
+    labels = widen_index(labels)
     valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
     safe = jnp.where(valid, labels, 0).astype(jnp.int32)
     lse = jax.nn.logsumexp(xf, axis=-1)
@@ -220,7 +217,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
     if logit_softcap is not None:
         z = logit_softcap * jnp.tanh(z / logit_softcap)
     V = z.shape[-1]
-    labels = _index(labels)
+    labels = widen_index(labels)
     valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
     loss = cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                          reduction="none")
@@ -244,7 +241,7 @@ def embed(ids, table, *, padding_idx=None):
     """Reference embedding lookup ``table[ids]``; out-of-range ids give zero rows, and the
     ``padding_idx`` row gets no gradient (its forward value is the table's row)."""
     V = table.shape[0]
-    ids = _index(ids)
+    ids = widen_index(ids)
     valid = (ids >= 0) & (ids < V)
     rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
     if padding_idx is not None:

@@ -119,8 +119,9 @@ class Embed(_Impl, fnn.Embed):
     (after ``promote_dtype(..., dtype=dtype, inexact=False)``, as flax) and
     ``num_embeddings > 1``; ids in [-V, 0) wrap and ids outside [-V, V) give NaN rows, as
     ``jnp.take`` in flax (ids narrower than int32 are read as int32: a negative int8 id
-    wraps to V + id, where ``jnp.take`` wraps V + id again in int8). ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted
-    operands: bf16 queries with an f32 table give f32 logits, as flax.
+    wraps to V + id, where ``jnp.take`` wraps V + id again in int8). ``attend(query)``
+    runs :func:`jaxbwd.matmul` on flax's promoted operands: bf16 queries with an f32 table
+    give f32 logits, as flax.
     Call: ids int [...] -> [..., features]. Source: a lookup table.
     """
 

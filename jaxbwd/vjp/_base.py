@@ -109,6 +109,11 @@ def check_int(op: str, name: str, x: Any) -> Any:
     check_array(op, name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"jaxbwd.{op}: {name} must have an integer dtype, got {_dtype_name(x)}")
+    return widen_index(x)
+
+
+def widen_index(x: Any) -> Any:
+    """An integer array narrower than 32 bits as int32 (see :func:`check_int`); others as given."""
     x = jnp.asarray(x)
     return x.astype(jnp.int32) if jnp.iinfo(x.dtype).bits < 32 else x
 
