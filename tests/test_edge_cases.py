@@ -57,6 +57,8 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.reshape(jnp.ones((4, 8)), (4.0, 8)), TypeError, r"reshape: shape must be a tuple of ints"),
         (lambda: jaxbwd.row_slice(jnp.ones((4, 3)), 1.5, 2), TypeError, r"row_slice: start must be a Python int or an integer scalar array"),
         (lambda: jaxbwd.rope(jnp.ones((1, 4, 2, 8)), positions=jnp.arange(4), start_pos=3), ValueError, r"rope: give positions or start_pos, not both"),
+        (lambda: jaxbwd.rope(jnp.ones((1, 4, 2, 8)), start_pos=1.5), TypeError, r"rope: start_pos must be a Python int or an integer scalar array, got 1.5"),
+        (lambda: jaxbwd.rope(jnp.ones((1, 4, 2, 8)), start_pos=jnp.float32(1.5)), TypeError, r"rope: start_pos must have an integer dtype"),
         (lambda: jaxbwd.cross_entropy(jnp.ones((4, 0)), jnp.zeros((4,), i32)), ValueError, r"cross_entropy: logits must have a non-empty"),
         (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((0, 8))), ValueError, r"embed: table must have a non-empty"),
         (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 0, 2, 8)), jnp.ones((1, 0, 2, 8))), ValueError, r"dot_product_attention: k must have a non-empty"),
@@ -110,9 +112,14 @@ def test_64bit_labels_past_int32_are_out_of_range(impl):
         assert float(lce[0]) == 0.0 and float(lce[1]) > 0.0
 
 
-def test_row_slice_concrete_array_start_is_range_checked():
+def test_row_slice_python_int_start_is_range_checked_array_start_clamps_as_under_jit():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
-        jaxbwd.row_slice(jnp.ones((4, 3)), jnp.int32(3), 2)
+        jaxbwd.row_slice(jnp.ones((4, 3)), 3, 2)
+    x = jnp.arange(12.0).reshape(4, 3)
+    for start in (jnp.int32(3), jnp.int32(-1), jnp.uint32(2**31 + 1)):
+        eager = jaxbwd.row_slice(x, start, 2)
+        chex.assert_trees_all_equal(eager, jax.jit(lambda s: jaxbwd.row_slice(x, s, 2))(start),  # noqa: B023
+                                    jax.lax.dynamic_slice_in_dim(x, jnp.asarray(start), 2))
     np.testing.assert_array_equal(jaxbwd.row_slice(jnp.arange(12.0).reshape(4, 3), np.int64(1), 2), np.arange(3.0, 9.0).reshape(2, 3))
 
 

@@ -191,6 +191,9 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
             else:  # float64 holds every start below 2**53 exactly; one rounding to float32
                 pos = jnp.asarray((np.arange(T, dtype=np.float64) + float(start_pos)).astype(np.float32))
         else:
+            if not hasattr(start_pos, "dtype") or isinstance(start_pos, (bool, np.bool_)):
+                raise TypeError(f"jaxbwd.{op}: start_pos must be a Python int or an integer scalar array, "
+                                f"got {start_pos!r}")
             B.check_int(op, "start_pos", start_pos)
             if jnp.ndim(start_pos) != 0:
                 raise ValueError(f"jaxbwd.{op}: start_pos must be a scalar, got shape {tuple(jnp.shape(start_pos))}")
