@@ -172,6 +172,20 @@ def vary_like(tree, *refs):
     return jax.tree_util.tree_map(cast, tree)
 
 
+def typed_like(ct, aval):
+    """A cotangent ``ct`` resharded to its primal's explicit sharding (``aval``'s) where the
+    two differ: a rule computes it in the output's sharding (``residual_add``'s dy for an
+    operand sharded otherwise), and JAX's AD accepts only the primal's type. Elsewhere a
+    no-op."""
+    want = getattr(aval, "sharding", None)
+    mesh = getattr(want, "mesh", None)
+    if ct is None or mesh is None or jax.sharding.AxisType.Explicit not in set(getattr(mesh, "axis_types", ())):
+        return ct
+    if _spec_of(ct, ct.ndim) == _normalised(want.spec, ct.ndim):
+        return ct
+    return jax.sharding.reshard(ct, want.spec)
+
+
 def _operands_mesh(args):
     """With no mesh set: the mesh of explicitly sharded operands, if any (else None)."""
     if _mesh() is not None:

@@ -65,6 +65,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxbwd import sharding as S
 from jaxbwd.vjp import _base as B
 
 try:  # JAX >= 0.12: the primitive API this module is built on (pinned here only).
@@ -210,9 +211,9 @@ if _HAVE_HIJAX:
             if any(isinstance(x, _GradAccum) for x in jax.tree_util.tree_leaves(res)):
                 _unsupported(self.rules.name, "transposing the tangent map with respect to its residuals")
             cts = self.rules.bwd(res, _inst(out_ct))
-            for acc, ct in zip(tangents, cts):
+            for acc, ct, aval in zip(tangents, cts, self.in_avals[1]):
                 if isinstance(acc, _GradAccum) and ct is not None:
-                    acc.accum(ct)
+                    acc.accum(S.typed_like(ct, aval))
 
         def jvp(self, primals, tangents):
             res, ts = primals
@@ -259,9 +260,9 @@ if _HAVE_HIJAX:
 
         def vjp_bwd(self, res, outgrad, *arg_accums):
             cts = self.rules.bwd(res, _inst(outgrad))
-            for acc, ct in zip(arg_accums, cts):
+            for acc, ct, aval in zip(arg_accums, cts, self.in_avals):
                 if isinstance(acc, _GradAccum) and ct is not None:
-                    acc.accum(ct)
+                    acc.accum(S.typed_like(ct, aval))
 
         def _tangent_in(self, tangents):
             return tuple(
@@ -347,6 +348,10 @@ class custom_op:
         if not _HAVE_HIJAX:
             return self._call_custom_vjp(nondiff, dyn)
         dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
+        # Inside a vma-checked shard_map, operands vary over the same manual axes, as JAX's
+        # own primitives make them: AD then transposes the cast of an invariant weight into
+        # the psum of its gradient, which the bwd rule computes per device.
+        dyn, _ = S.vary_together(dyn)
         rules = self._rules(nondiff)
         in_avals = [None if a is None else jax.typeof(a) for a in dyn]
         # Traced (not eval_shape) so that the output's aval keeps the inputs' varying manual

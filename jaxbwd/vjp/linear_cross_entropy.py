@@ -132,7 +132,7 @@ def _xla_partials(cfg, x2, w, lab, V):
 
     zeros = jnp.zeros((R,), acc)
     init = (jnp.full((R,), -jnp.inf, acc), zeros, zeros, zeros)
-    (m, s, xl, sx), _ = jax.lax.scan(body, init, jnp.arange(n))
+    (m, s, xl, sx), _ = jax.lax.scan(body, S.vary_like(init, x2, w, lab), jnp.arange(n))
     return m, s, xl, sx
 
 
@@ -173,7 +173,7 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
         return (dx, dw), None
 
     init = (jnp.zeros((R, D), acc), jnp.zeros(w.shape, w.dtype))
-    (dx, dw), _ = jax.lax.scan(body, init, jnp.arange(n))
+    (dx, dw), _ = jax.lax.scan(body, S.vary_like(init, x2, w, lab, m, s, g, gl), jnp.arange(n))
     return dx, dw
 
 
@@ -256,7 +256,8 @@ def _lce_tangent(cfg, res, dx2, dw, _):
         return (dlse, dxl, dsx), None
 
     zeros = jnp.zeros((R,), acc)
-    (dlse, dxl, dsx), _ = jax.lax.scan(body, (zeros, zeros, zeros), jnp.arange(n))
+    (dlse, dxl, dsx), _ = jax.lax.scan(body, S.vary_like((zeros, zeros, zeros), x2, w, lab, m, s, dx2, dw),
+                                       jnp.arange(n))
     if cfg.axes:  # each vocabulary shard holds part of each sum
         dlse, dxl, dsx = (jax.lax.psum(t, cfg.axes) for t in (dlse, dxl, dsx))
     dloss = dlse - (1.0 - cfg.eps) * dxl - cfg.eps * dsx
