@@ -277,13 +277,13 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     Half-split (Llama/NeoX) rotates x[..., :H/2] with x[..., H/2:]; interleaved (GPT-J)
     rotates pairs (2i, 2i+1). Angle of pair i at position p: ``(p / scale_factor) * f_i`` with
     ``f_i = theta**(-2i/H)``, rescaled by :func:`llama3_inv_freq` when ``frequency_scaling``
-    (a dict of its arguments) is given; in f32.
+    (a dict of its arguments) is given; in f32 (f64 for float64 x).
     """
     Bsz, T, N, H = x.shape
     if positions is None:
         positions = start_pos + jnp.arange(T)
-    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(jnp.float32) / scale_factor
     xf = _f32(x)
+    pos = jnp.broadcast_to(jnp.asarray(positions), (Bsz, T)).astype(xf.dtype) / scale_factor
     inv_freq = rope_inv_freq(H, theta, xf.dtype)
     if frequency_scaling is not None:
         inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in frequency_scaling.items() if k != "rope_type"})

@@ -329,6 +329,51 @@ def test_float64_weights_are_seen_too(name, call):
             call(jnp.ones((3, 4), f32), jnp.ones((4,), jnp.float64))
 
 
+def test_rope_float64_angles_are_float64():
+    # float64 x keeps float64 positions and angles: fractional and interpolated positions
+    # and positions past 2**24 (where float32 cannot count) are as exact as float64 allows.
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 1, 8), jnp.float64)
+
+        def formula(pos, x=x):
+            ang = jnp.asarray(pos, jnp.float64)[..., None, None] * 10000.0 ** (-jnp.arange(0, 8, 2) / 8.0)
+            a, b = x[..., :4], x[..., 4:]
+            return jnp.concatenate([a * jnp.cos(ang) - b * jnp.sin(ang), b * jnp.cos(ang) + a * jnp.sin(ang)], -1)
+
+        frac = jnp.array([[0.1, 1.7, 2.25, 1000.3, 12345.6789, 5.0]])
+        big = jnp.array([[0, 1, 2**24 + 1, 123456789, 2**30 + 3, 5]], i32)
+        ar = jnp.arange(6)[None]
+        for impl in ("xla", None):
+            for got, want, tol in [
+                (jaxbwd.rope(x, scale_factor=3.0, implementation=impl), formula(ar / 3.0), 1e-15),
+                (jaxbwd.rope(x, positions=frac, implementation=impl), formula(frac), 1e-11),
+                # an angle of 1e9 radians carries 1e-7 of it from inv_freq's last bit alone
+                (jaxbwd.rope(x, positions=big, implementation=impl), formula(big), 1e-6),
+                (jaxbwd.rope(x, start_pos=2**24 + 1, implementation=impl), formula(ar + 2**24 + 1), 1e-8),
+            ]:
+                assert got.dtype == jnp.float64
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tol)
+            g = jax.grad(lambda x: jnp.sum(jaxbwd.rope(x, positions=frac, implementation=impl) * jnp.cos(x)))(x)  # noqa: B023
+            gw = jax.grad(lambda x: jnp.sum(formula(frac, x) * jnp.cos(x)))(x)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=0, atol=1e-11)
+
+
+def test_float64_runs_under_pallas_in_ops_without_kernels():
+    # Ops with no kernels (XLA by design) have no float32 kernel to refuse: float64 runs
+    # under any implementation, as it does in matmul, scale and residual_add.
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(2), (2, 4, 4, 8), jnp.float64)
+        x2 = x.reshape(8, 32)
+        for name, call in [("glu", lambda i: jaxbwd.glu(x2, implementation=i)),
+                           ("mse_loss", lambda i: jaxbwd.mse_loss(x2, jnp.cos(x2), implementation=i)),
+                           ("avg_pool2d", lambda i: jaxbwd.avg_pool2d(x, 2, 2, implementation=i)),
+                           ("adaptive_avg_pool2d", lambda i: jaxbwd.adaptive_avg_pool2d(x, 3, implementation=i)),
+                           ("matmul", lambda i: jaxbwd.matmul(x2, x2.T, implementation=i))]:
+            got, want = call("pallas"), call("xla")
+            assert got.dtype == jnp.float64, name
+            chex.assert_trees_all_equal(got, want)
+
+
 def test_numpy_float64_without_x64_is_float32():
     # Without x64, jax reads a NumPy float64 array as float32: the kernels take it.
     x = np.random.default_rng(0).standard_normal((4, 8))

@@ -741,6 +741,23 @@ def test_batch_norm_grad_through_a_named_vmap(impl):
                                 grads(fnn.BatchNorm(use_running_average=False, axis_name="d")), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.float64, jnp.float32, jnp.bfloat16])
+def test_batch_norm_running_statistics_dtype_as_flax(x_dtype):
+    """flax stores float32 statistics and its update promotes them with the batch's (at
+    least float32): float64 inputs leave float64 statistics, as exact as flax's."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(_rand((16, 8)) * 3 + 1, x_dtype)
+        stats = []
+        for m in (jnn.BatchNorm(use_running_average=False, momentum=0.9, implementation="xla"),
+                  fnn.BatchNorm(use_running_average=False, momentum=0.9)):
+            v = m.init(jax.random.PRNGKey(0), x)
+            for _ in range(2):
+                v = {**v, **m.apply(v, x, mutable=["batch_stats"])[1]}
+            stats.append(v["batch_stats"])
+    chex.assert_trees_all_equal_dtypes(*stats)
+    chex.assert_trees_all_close(*stats, rtol=1e-6 if x_dtype == jnp.float64 else 1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("make", [
     lambda impl: ("linen", jnn.Dense(8, implementation=impl, param_dtype=jnp.float64)),
     lambda impl: ("linen", jnn.MultiHeadDotProductAttention(num_heads=2, implementation=impl,

@@ -328,7 +328,8 @@ class GroupNorm(_Impl, fnn.GroupNorm):
 
 class BatchNorm(_Impl, fnn.BatchNorm):
     """``flax.linen.BatchNorm`` (all its arguments); params ``scale``, ``bias`` and
-    ``batch_stats`` ``mean``, ``var`` [C] (float32), updated as flax (not while initialising).
+    ``batch_stats`` ``mean``, ``var`` [C] (float32; an update promotes them as flax's does,
+    to float64 for float64 inputs), updated as flax (not while initialising).
 
     Kernel path (:func:`jaxbwd.batch_norm`): an int ``axis``, no ``mask``, no
     ``axis_index_groups``, ``force_float32_reductions=True``, ``epsilon > 0``;
@@ -364,8 +365,11 @@ class BatchNorm(_Impl, fnn.BatchNorm):
             y = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=ra_mean.value, running_var=ra_var.value,
                                   training=False, **kw)
         else:
-            y, new = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=ra_mean.value, running_var=ra_var.value,
-                                       training=True, **kw)
+            # As flax: the update promotes the stored float32 statistics with the batch's
+            # (at least float32, in dtype or x's dtype): float64 inputs leave float64 ones.
+            sd = jnp.promote_types(ra_mean.value.dtype, jnp.promote_types(self.dtype or x.dtype, jnp.float32))
+            y, new = jaxbwd.batch_norm(x.astype(ct), w, b, running_mean=ra_mean.value.astype(sd),
+                                       running_var=ra_var.value.astype(sd), training=True, **kw)
             if not self.is_initializing():
                 ra_mean.value, ra_var.value = new["mean"], new["var"]
         return y.astype(out)

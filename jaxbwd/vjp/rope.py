@@ -2,8 +2,8 @@
 
 Forward (XLA): angles ``pos * inv_freq`` with ``inv_freq = theta**(-2i/H)`` (optionally
 rescaled as Llama 3.1) in float32 (float64 for float64 x), the rotation applied in f32 and
-cast back. Saved for the backward: the positions [B, T] only (int32; float32 when
-fractional, interpolated or past int32); the op is linear in x, so neither x nor cos/sin
+cast back. Saved for the backward: the positions [B, T] only (int32; float32, or float64
+for float64 x, when fractional, interpolated or past int32); the op is linear in x, so neither x nor cos/sin
 tables are kept. Backward: the Pallas ``rope_bwd`` kernel (angles and their cos/sin
 recomputed in f32 in registers once per position and pair, reused across the heads) or the
 same rotation in XLA.
@@ -62,7 +62,7 @@ def _rotate(x, pos, freqs, interleaved, sign):
     acc = B.acc_dtype(x)
     xf = x.astype(acc)
     inv_freq = freqs.inv_freq(H, acc)
-    ang = pos.astype(jnp.float32).astype(acc)[:, :, None, None] * inv_freq
+    ang = pos.astype(acc)[:, :, None, None] * inv_freq
     cos, sin = jnp.cos(ang), sign * jnp.sin(ang)
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
@@ -130,7 +130,8 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     Args:
       x: [B, T, N, H] float32, bfloat16 or float16 (float64 on the XLA path); H even.
       positions: ``None``, or [T] (shared) or [B, T] (per sequence, e.g. packing); integer,
-        or floating for fractional positions (computed in float32; they get no gradient).
+        or floating for fractional positions (computed in float32, float64 for float64 x;
+        they get no gradient).
       start_pos: used when ``positions`` is None: positions are ``start_pos + arange(T)``.
         A Python int or an int scalar array (may be traced, e.g. a KV-cache offset).
       theta: positive static float, the rotary base.
@@ -146,10 +147,12 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
-      [B, T, N, H] in x's dtype; angles and rotation computed in float32.
+      [B, T, N, H] in x's dtype; angles and rotation computed in float32 (float64 for
+      float64 x).
 
-    Residuals: the positions [B, T], int32 (float32 when fractional, scale_factor != 1, of
-    a dtype int32 cannot hold: int64, uint32, uint64, or from a static start_pos past int32);
+    Residuals: the positions [B, T], int32 (float32, float64 for float64 x, when fractional,
+    scale_factor != 1, of a dtype int32 cannot hold: int64, uint32, uint64, or from a static
+    start_pos past int32);
     no x, no cos/sin tables. Rescaled frequencies are recomputed in the backward and read
     by the kernel as one [H/2] vector.
 
@@ -184,12 +187,14 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
     # 64-bit or uint32 dtype, a static start past int32): the angle is float32(position) *
     # inv_freq either way, so only the wrap of a narrowing cast is avoided. (A traced int32
     # start near 2**31 wraps in its own int32 sum, as jnp's start + arange(T) would.)
+    # float64 x (the XLA path) keeps float64 positions and angles.
+    fdt = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     if positions is None:
         if B.is_static_int(start_pos):
             if _I32.min <= int(start_pos) and int(start_pos) + T - 1 <= _I32.max:
                 pos = jnp.int32(start_pos) + jnp.arange(T, dtype=jnp.int32)
             else:  # float64 holds every start below 2**53 exactly; one rounding to float32
-                pos = jnp.asarray((np.arange(T, dtype=np.float64) + float(start_pos)).astype(np.float32))
+                pos = jnp.asarray((np.arange(T, dtype=np.float64) + float(start_pos)).astype(fdt))
         else:
             if not hasattr(start_pos, "dtype") or isinstance(start_pos, (bool, np.bool_)):
                 raise TypeError(f"jaxbwd.{op}: start_pos must be a Python int or an integer scalar array, "
@@ -200,7 +205,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
             # in int32 (narrower starts widened first), or in a wider start's own dtype
             dt = jnp.int32 if _fits_int32(start_pos.dtype) else start_pos.dtype
             pos = start_pos.astype(dt) + jnp.arange(T, dtype=dt)
-            pos = pos if dt == jnp.int32 else pos.astype(jnp.float32)
+            pos = pos if dt == jnp.int32 else pos.astype(fdt)
     else:
         B.check_array(op, "positions", positions)
         if not (jnp.issubdtype(positions.dtype, jnp.integer) or jnp.issubdtype(positions.dtype, jnp.floating)):
@@ -210,9 +215,9 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
                 f"jaxbwd.{op}: positions must have shape ({T},) or ({Bsz}, {T}) (x's [T] or [B, T]), "
                 f"got {tuple(positions.shape)}"
             )
-        pos = positions.astype(jnp.int32 if _fits_int32(positions.dtype) else jnp.float32)
+        pos = positions.astype(jnp.int32 if _fits_int32(positions.dtype) else fdt)
     if scale_factor != 1.0:
-        pos = pos.astype(jnp.float32) / jnp.float32(scale_factor)
+        pos = pos.astype(fdt) / np.array(scale_factor, fdt)
     pos = jnp.broadcast_to(pos, (Bsz, T))
     impl = B.impl(implementation, op, x)
     freqs = _Freqs(float(theta), llama3)
