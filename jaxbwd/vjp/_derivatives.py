@@ -345,13 +345,13 @@ class custom_op:
 
     def __call__(self, *args):
         nondiff, dyn = self._split(args)
-        if not _HAVE_HIJAX:
-            return self._call_custom_vjp(nondiff, dyn)
-        dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
         # Inside a vma-checked shard_map, operands vary over the same manual axes, as JAX's
         # own primitives make them: AD then transposes the cast of an invariant weight into
         # the psum of its gradient, which the bwd rule computes per device.
         dyn, _ = S.vary_together(dyn)
+        if not _HAVE_HIJAX:
+            return self._call_custom_vjp(nondiff, dyn)
+        dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
         rules = self._rules(nondiff)
         in_avals = [None if a is None else jax.typeof(a) for a in dyn]
         # Traced (not eval_shape) so that the output's aval keeps the inputs' varying manual
@@ -367,7 +367,8 @@ class custom_op:
 
         primal.__name__ = primal.__qualname__ = self.name  # jaxprs show custom_vjp_call[name=<op>]
         f = jax.custom_vjp(primal)
-        f.defvjp(rules.fwd, lambda res, ct: tuple(rules.bwd(res, ct)))
+        avals = [None if a is None else jax.typeof(a) for a in dyn]
+        f.defvjp(rules.fwd, lambda res, ct: tuple(S.typed_like(c, a) for c, a in zip(rules.bwd(res, ct), avals)))
         try:
             return f(*dyn)
         except TypeError as e:

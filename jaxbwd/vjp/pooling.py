@@ -263,7 +263,8 @@ def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad
     geom = _geometry(op, x, window_shape, strides, padding)
     if not isinstance(count_include_pad, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{op}: count_include_pad must be a Python bool, got {count_include_pad!r}")
-    return _avg_pool(x, geom, bool(count_include_pad), B.impl(implementation, op))  # no kernels: float64 runs under any choice
+    # no kernels: float64 runs under any implementation
+    return _avg_pool(x, geom, bool(count_include_pad), B.impl(implementation, op))
 
 
 # ------------------------------------------------------------------- adaptive_avg_pool2d
