@@ -84,11 +84,11 @@ _row_slice.deftangent(lambda size, res, dx, _: _row_slice.fun(dx, res[0], size))
 def row_slice(x, start, size, *, implementation=None):
     """Rows ``[start, start + size)`` of ``x`` [R, C] -> [size, C]; ``start`` may be traced.
 
-    A Python int ``start`` is checked. An array ``start`` (traced or not) behaves as in
-    ``lax.dynamic_slice``, the same eagerly and under ``jit``: a negative value counts from
-    the end and the window is then clamped to ``[0, R - size]`` so it stays in bounds (in
-    start's own dtype first: a 64-bit start does not wrap); the backward scatters dy into
-    zeros at the same clamped rows.
+    A Python or NumPy int ``start`` is checked. A jax array ``start`` (traced or not)
+    behaves as in ``lax.dynamic_slice``, the same eagerly and under ``jit``: a negative value
+    counts from the end and the window is then clamped to ``[0, R - size]`` so it stays in
+    bounds (in start's own dtype first: a 64-bit start does not wrap); the backward scatters
+    dy into zeros at the same clamped rows.
 
     Args:
       x: [R, C] floating. start: Python int or int scalar array. size: static int, 0 <= size <= R.
@@ -99,7 +99,7 @@ def row_slice(x, start, size, *, implementation=None):
 
     Raises:
       TypeError: non-floating x, non-integer start, size not an int.
-      ValueError: x not rank 2, size out of [0, R], a Python int start out of [0, R - size].
+      ValueError: x not rank 2, size out of [0, R], a Python or NumPy int start out of [0, R - size].
 
     Source: a slice's adjoint is the zero-padded scatter of the cotangent.
     """
@@ -115,7 +115,7 @@ def row_slice(x, start, size, *, implementation=None):
         raise TypeError(f"jaxbwd.row_slice: start must be a Python int or an integer scalar array, got {start!r}")
     if jnp.ndim(start) != 0:
         raise ValueError(f"jaxbwd.row_slice: start must be a scalar, got shape {tuple(jnp.shape(start))}")
-    # A Python int is checked; an array start clamps, so that eager and jit calls agree.
+    # A Python or NumPy int is checked; a jax array start clamps, so eager and jit calls agree.
     if B.is_static_int(start):
         if not 0 <= int(start) <= R - size:
             raise ValueError(f"jaxbwd.row_slice: start must be in [0, {R - size}] for size={size}, got {int(start)}")
