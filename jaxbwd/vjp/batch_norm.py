@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbwd import sharding as S
 from jaxbwd.pallas import batch_norm as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
@@ -169,10 +168,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         rstd = jax.lax.rsqrt(_cf(running_var) + eps)
         y2 = ((_cf(x2) - _cf(running_mean)) * rstd * _cf(weight) + _cf(bias)).astype(x.dtype)
         return _restore(y2, xm, axis)
-    # Inside a vma-checked shard_map the weight is made to vary like x, so that AD sums its
-    # per-device gradient over the devices (the transpose of that cast).
-    args, _ = S.vary_together((x2, weight, bias))
-    y = _restore(_bn(*args, eps, axis_name, impl), xm, axis)
+    y = _restore(_bn(x2, weight, bias, eps, axis_name, impl), xm, axis)
     if running_mean is None:
         return y
     # The same reduction as the op's forward; under jit XLA computes it once (CSE).

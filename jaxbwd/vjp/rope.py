@@ -4,9 +4,9 @@ Forward (XLA): angles ``pos * inv_freq`` with ``inv_freq = theta**(-2i/H)`` (opt
 rescaled as Llama 3.1) in float32 (float64 for float64 x), the rotation applied in f32 and
 cast back. Saved for the backward: the positions [B, T] only (int32; float32, or float64
 for float64 x, when fractional, interpolated or past int32); the op is linear in x, so
-neither x nor cos/sin tables are kept. Backward: the Pallas ``rope_bwd`` kernel (angles and their cos/sin
-recomputed in f32 in registers once per position and pair, reused across the heads) or the
-same rotation in XLA.
+neither x nor cos/sin tables are kept. Backward: the Pallas ``rope_bwd`` kernel (angles
+and their cos/sin recomputed in f32 in registers once per position and pair, reused across
+the heads) or the same rotation in XLA.
 """
 from __future__ import annotations
 
