@@ -30,6 +30,27 @@ def last_axis_only(ndim: int, *axes) -> bool:
     return ndim >= 1 and all(_axes(ndim, a) == (ndim - 1,) for a in axes)
 
 
+def plain_stats(mod, mask) -> bool:
+    """A norm module's statistics as the kernels compute them: unmasked, on one device, in
+    float32 (flax versions and NNX modules without ``force_float32_reductions`` always reduce
+    in float32), with ``epsilon > 0``."""
+    return (mask is None and mod.axis_name is None and getattr(mod, "force_float32_reductions", True)
+            and mod.epsilon > 0)
+
+
+def last_axis_stats(mod, x, mask, *dtypes) -> bool:
+    """RMSNorm / LayerNorm on the kernel path: :func:`plain_stats` over the last axis of x,
+    and x and ``dtypes`` (the module's dtypes or parameters) real."""
+    return (plain_stats(mod, mask) and last_axis_only(x.ndim, mod.reduction_axes, mod.feature_axes)
+            and real(x, *dtypes))
+
+
+def check_activation(module: str, activation) -> None:
+    """GroupNorm's fused ``activation``: None or "silu" (ValueError naming ``module`` otherwise)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"jaxbwd.{module}: activation must be None or 'silu', got {activation!r}")
+
+
 def compute_dtype(out_dtype, *arrays):
     """The dtype the op runs in: wide enough for the inputs and for the requested result.
 

@@ -35,18 +35,6 @@ class _Impl:
         super().__post_init__()
 
 
-def _plain_stats(mod, mask) -> bool:
-    """A norm's statistics as the kernels compute them: unmasked, on one device, in float32
-    (flax versions without ``force_float32_reductions`` always reduce in float32)."""
-    return (mask is None and mod.axis_name is None and getattr(mod, "force_float32_reductions", True)
-            and mod.epsilon > 0)
-
-
-def _check_activation(cls: str, activation) -> None:
-    if activation not in (None, "silu"):
-        raise ValueError(f"jaxbwd.nn.{cls}: activation must be None or 'silu', got {activation!r}")
-
-
 class RMSNorm(_Impl, fnn.RMSNorm):
     """``flax.linen.RMSNorm`` (all its arguments); param ``scale`` [D].
 
@@ -65,13 +53,9 @@ class RMSNorm(_Impl, fnn.RMSNorm):
     weight_offset: float = 0.0
     implementation: Optional[str] = None
 
-    def _covered(self, x, mask) -> bool:
-        return (_plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
-                and K.real(x, self.param_dtype, self.dtype))
-
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
-        if not self._covered(x, mask):
+        if not K.last_axis_stats(self, x, mask, self.param_dtype, self.dtype):
             if self.weight_offset:
                 raise ValueError("jaxbwd.nn.RMSNorm: weight_offset needs the kernel path (last-axis reduction and "
                                  f"features, no mask or axis_name), got reduction_axes={self.reduction_axes!r}, "
@@ -97,13 +81,9 @@ class LayerNorm(_Impl, fnn.LayerNorm):
 
     implementation: Optional[str] = None
 
-    def _covered(self, x, mask) -> bool:
-        return (_plain_stats(self, mask) and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
-                and K.real(x, self.param_dtype, self.dtype))
-
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
-        if not self._covered(x, mask):
+        if not K.last_axis_stats(self, x, mask, self.param_dtype, self.dtype):
             return super().__call__(x, mask=mask)
         d = x.shape[-1]
         scale = self.param("scale", self.scale_init, (d,), self.param_dtype) if self.use_scale else None
@@ -312,9 +292,9 @@ class GroupNorm(_Impl, fnn.GroupNorm):
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
-        _check_activation("GroupNorm", self.activation)
+        K.check_activation("nn.GroupNorm", self.activation)
         g = self._groups(x.shape[-1]) if x.ndim else None
-        if not (_plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)
+        if not (K.plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)
                 and K.real(x, self.param_dtype, self.dtype)):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)

@@ -48,9 +48,7 @@ class RMSNorm(nnx.RMSNorm, _Impl):
         self._set_impl(implementation)
 
     def __call__(self, x, mask: Optional[jax.Array] = None):
-        if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
-                and K.real(x, self.dtype, _value(self.scale))):
+        if not K.last_axis_stats(self, x, mask, self.dtype, _value(self.scale)):
             return super().__call__(x, mask=mask)
         x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale) if a is not None])
@@ -70,9 +68,7 @@ class LayerNorm(nnx.LayerNorm, _Impl):
         self._set_impl(implementation)
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
-        if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.last_axis_only(x.ndim, self.reduction_axes, self.feature_axes)
-                and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
+        if not K.last_axis_stats(self, x, mask, self.dtype, _value(self.scale), _value(self.bias)):
             return super().__call__(x, mask=mask)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
@@ -148,14 +144,12 @@ class GroupNorm(nnx.GroupNorm, _Impl):
 
     def __init__(self, *args, activation: Optional[str] = None, implementation: Optional[str] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if activation not in (None, "silu"):
-            raise ValueError(f"jaxbwd.nn.nnx.GroupNorm: activation must be None or 'silu', got {activation!r}")
+        K.check_activation("nn.nnx.GroupNorm", activation)
         self.activation = activation
         self._set_impl(implementation)
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
-        if not (mask is None and self.axis_name is None and self.epsilon > 0
-                and K.group_norm_covered(x, self.reduction_axes, self.num_groups)
+        if not (K.plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, self.num_groups)
                 and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)

@@ -202,6 +202,18 @@ def _consume_kv(d: Dims, qi, cta: int, lo, hi, bk: int, st: int, consumed, step,
     return M.consume(mid, hi, st, consumed, step, carry, base=lo)
 
 
+def _produce_kv(lo, hi, st, consumed, bk, b, kvh, k, v, ks) -> None:
+    """The producer of a query-row program (forward, dq): streams key blocks ``lo .. hi-1``
+    of batch ``b``, kv head ``kvh``; ``k``, ``v``, ``ks`` (segment ids, or None) are each
+    (GMEM ref, SMEM ring, barriers)."""
+    block = lambda ref, j: ref.at[b, M.ds(j * bk, bk), kvh]
+    sources = [(functools.partial(block, ref), ring, bar) for ref, ring, bar in (k, v)]
+    if ks is not None:
+        ref, ring, bar = ks
+        sources.append((lambda j: ref.at[b, M.ds(j * bk, bk)], ring, bar))
+    M.produce(lo, hi, st, sources, consumed)
+
+
 # ----------------------------------------------------------------------------- forward
 def _fwd_body(*refs, d: Dims, p: _Plan):
     nin = 5 if d.segments else 3
@@ -219,11 +231,8 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
 
     @M.when(wg == nc)
     def _producer():
-        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
-                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
-        if d.segments:
-            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
-        M.produce(lo, hi, st, sources, consumed)
+        _produce_kv(lo, hi, st, consumed, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
+                    (ks_ref, ks_ring, ks_bar) if d.segments else None)
 
     @M.when(wg < nc)
     def _consumer():
@@ -349,11 +358,8 @@ def _dq_body(*refs, d: Dims, p: _Plan):
 
     @M.when(wg == nc)
     def _producer():
-        sources = [(lambda j: k_ref.at[b, M.ds(j * bk, bk), kvh], k_ring, k_bar),
-                   (lambda j: v_ref.at[b, M.ds(j * bk, bk), kvh], v_ring, v_bar)]
-        if d.segments:
-            sources.append((lambda j: ks_ref.at[b, M.ds(j * bk, bk)], ks_ring, ks_bar))
-        M.produce(lo, hi, st, sources, consumed)
+        _produce_kv(lo, hi, st, consumed, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
+                    (ks_ref, ks_ring, ks_bar) if d.segments else None)
 
     @M.when(wg < nc)
     def _consumer():
