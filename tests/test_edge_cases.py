@@ -422,3 +422,47 @@ def test_config_errors_name_the_setter():
             pass
     with pytest.raises(ValueError, match=r"jaxbwd.config.set_default: pallas_backend must be one of"):
         jaxbwd.config.set_default(pallas_backend="cuda")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_max_pool_selects_as_xla_in_windows_with_nans(impl):
+    # NaNs and -inf in windows (also windows over padding): the gradient goes where XLA's
+    # select_and_scatter (flax's max_pool under autodiff) sends it; the tangent map is the
+    # same selection (its transpose is the vjp).
+    import flax.linen as fnn
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 3, (2, 5, 6, 3)).astype(np.float32)
+    x[rng.random(x.shape) < 0.2] = np.nan
+    x[rng.random(x.shape) < 0.1] = -np.inf
+    x = jnp.asarray(x)
+    t = jnp.asarray(rng.normal(size=x.shape), f32)
+    for window, strides, padding in [((2, 2), (1, 1), "VALID"), ((3, 2), (2, 1), "SAME"), ((2, 3), (1, 2), ((1, 0), (1, 1)))]:
+        y, vjp = jax.vjp(lambda v: jaxbwd.max_pool2d(v, window, strides, padding, implementation=impl), x)
+        y_ref, vjp_ref = jax.vjp(lambda v: fnn.max_pool(v, window, strides, padding), x)
+        chex.assert_trees_all_equal(jnp.isnan(y), jnp.isnan(y_ref))
+        assert int(jnp.isnan(y).sum()) > 0
+        ct = jnp.asarray(rng.normal(size=y.shape), f32)
+        (dx,), (dx_ref,) = vjp(ct), vjp_ref(ct)
+        chex.assert_trees_all_close(dx, dx_ref, rtol=1e-6, atol=1e-6)
+        dy = jax.jvp(lambda v: jaxbwd.max_pool2d(v, window, strides, padding, implementation=impl), (x,), (t,))[1]
+        np.testing.assert_allclose(jnp.vdot(ct, dy), jnp.vdot(t, dx), rtol=1e-5)
+
+
+def test_adaptive_avg_pool_float64_is_exact():
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 7, 3), jnp.float64)
+        y = jaxbwd.adaptive_avg_pool2d(x, (2, 3))
+        ref = jnp.stack([jnp.stack([x[:, (i * 5) // 2:-(-((i + 1) * 5) // 2), (j * 7) // 3:-(-((j + 1) * 7) // 3)].mean((1, 2))
+                                    for j in range(3)], 1) for i in range(2)], 1)
+        assert y.dtype == jnp.float64
+        np.testing.assert_allclose(y, ref, rtol=1e-14)
+        np.testing.assert_array_equal(jaxbwd.adaptive_avg_pool2d(jnp.ones((1, 5, 5, 1), jnp.float64), 1), 1.0)
+
+
+def test_conv2d_padding_takes_numpy_int_arrays():
+    x, w = jnp.ones((1, 6, 6, 3), f32), jnp.ones((3, 3, 3, 4), f32)
+    want = jaxbwd.conv2d(x, w, padding=((1, 2), (0, 1)))
+    chex.assert_trees_all_equal(jaxbwd.conv2d(x, w, padding=np.array([[1, 2], [0, 1]])), want)
+    chex.assert_trees_all_equal(jaxbwd.conv2d(x, w, padding=np.array([1, 1])), jaxbwd.conv2d(x, w, padding=1))
+    with pytest.raises(TypeError, match=r"jaxbwd.conv2d: padding must be a static Python int, got 1.5"):
+        jaxbwd.conv2d(x, w, padding=np.array([[1.5, 1], [1, 1]]))

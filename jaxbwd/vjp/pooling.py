@@ -127,12 +127,19 @@ def _max_fwd(x, geom, impl):
 
 def _selected(x, y, geom):
     """The row-major offset of each window's first maximal element, [N, Ho, Wo, C] (int8 for
-    windows of up to 127 elements, else int32)."""
+    windows of up to 127 elements, else int32); with NaNs in a window, the element XLA's
+    ``select_and_scatter`` (jax's autodiff of ``lax.reduce_window`` max) selects."""
     window, strides, pads, out, hw = geom
     dt = jnp.int8 if window[0] * window[1] <= 127 else jnp.int32
-    sel = jnp.full(y.shape, -1, dt)
+    sel = cur = None
     for k, (_, v) in enumerate(_taps(_pad(x, pads, -jnp.inf), window, strides, out)):
-        sel = jnp.where((sel < 0) & (v == y), jnp.asarray(k, dt), sel)
+        if sel is None:
+            sel, cur = jnp.zeros(y.shape, dt), v
+            continue
+        # XLA's select_and_scatter rule: move to v unless cur >= v. Without NaNs that is the
+        # first maximum; a NaN is passed over, or taken when it is the current choice.
+        take = ~(cur >= v)
+        sel, cur = jnp.where(take, jnp.asarray(k, dt), sel), jnp.where(take, v, cur)
     return sel
 
 
@@ -175,7 +182,7 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
     Residuals: the selected offset per output element (int8 for windows up to 127
     elements; int32 beyond). Backward: Pallas ``max_pool2d_bwd`` or the XLA formula, both
     gather form (module docstring); ties go to the first maximal element of the window in
-    row-major order, as XLA's own gradient.
+    row-major order, as XLA's own gradient, which it also follows in windows with NaNs.
 
     Raises:
       TypeError: x not floating; window_shape, strides or padding amounts not ints.
@@ -249,7 +256,9 @@ def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad
       implementation: accepted for uniformity; both run the XLA gather-form backward.
 
     Returns:
-      [N, Ho, Wo, C] in x's dtype, computed in float32.
+      [N, Ho, Wo, C] in x's dtype, computed in float32 (float64 for float64 x). With
+      ``count_include_pad=False``, a window of padding only (padding at least the window)
+      averages to 0, where flax's 0 / 0 gives NaN.
 
     Residuals: none (the backward needs only shapes). Backward: dy / count spread over
     each window in gather form (module docstring).
@@ -270,7 +279,7 @@ def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad
 # ------------------------------------------------------------------- adaptive_avg_pool2d
 def _bins(n_in: int, n_out: int) -> np.ndarray:
     """[n_out, n_in] averaging matrix: bin i covers [floor(i n_in / n_out), ceil((i+1) n_in / n_out))."""
-    m = np.zeros((n_out, n_in), np.float32)
+    m = np.zeros((n_out, n_in), np.float64)  # cast to the compute dtype at use: exact 1/n in float64
     for i in range(n_out):
         lo, hi = (i * n_in) // n_out, -(-((i + 1) * n_in) // n_out)
         m[i, lo:hi] = 1.0 / (hi - lo)
@@ -285,7 +294,7 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
       implementation: accepted for uniformity; XLA by design (see Backward).
 
     Returns:
-      [N, oh, ow, C] in x's dtype, computed in float32. Output row i averages input rows
+      [N, oh, ow, C] in x's dtype, computed in float32 (float64 for float64 x). Output row i averages input rows
       ``floor(i H / oh)`` to ``ceil((i + 1) H / oh) - 1`` (likewise for columns).
 
     Residuals: none. Backward: ``dx = A_h^T dy A_w`` with the two constant averaging

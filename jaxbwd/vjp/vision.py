@@ -9,11 +9,11 @@ every input-gradient element is written once, no atomics. conv2d keeps XLA's for
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbwd.pallas import conv as conv_kernels
 from jaxbwd.pallas import vision as kernels
@@ -307,7 +307,9 @@ _conv2d.deftangent(lambda geo, impl, res, dx, dw: _conv2d.fun(dx, res[1], geo, i
 
 
 def _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw):
-    """padding (int, pair, ((t, b), (l, r)), "SAME", "VALID") -> ((t, b), (l, r))."""
+    """padding (int, pair, ((t, b), (l, r)), "SAME", "VALID"; NumPy integer arrays too) -> ((t, b), (l, r))."""
+    if isinstance(padding, np.ndarray) and padding.ndim in (1, 2):
+        padding = padding.tolist()
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID"):
             raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID', an int or pairs of ints, got {padding!r}")
