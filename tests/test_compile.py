@@ -24,11 +24,6 @@ KNOWN_SPILLS = {
     # Payne-Hanek reduction of large angles (|angle| > 105615, positions past ~100k).
     ("rope_bwd", "float32", "h200"): 32, ("rope_bwd", "bfloat16", "h200"): 32,
     ("rope_bwd", "float32", "a100"): 32, ("rope_bwd", "bfloat16", "a100"): 32,
-    # The tangent pass at head_dim 256 in f32 (TF32), per case so that every other attention
-    # case keeps a zero budget: four [block, 256] f32 tiles live (the least-spilling tiles
-    # found are in the tuning table).
-    ("attention_jvp", "float32", "h200", "jvp:1x4096x16:8x256-causal-window-softcap"): 40,
-    ("attention_jvp", "float32", "a100", "jvp:1x4096x16:8x256-causal-window-softcap"): 128,
 }
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
 EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd",
@@ -49,16 +44,15 @@ IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchif
 CE_FWD_OVER_MIN = 1.02
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
 # Kernels that run mma.sync (HMMA) on sm_90 at one registry case, not wgmma: at head_dim 256
-# every wgmma tile (M >= 64 rows) spilled 300-2200 B per thread in f32 (TF32) and in the
-# 16-bit tangent pass (compiled, H200, tiles in bench/results/); the table takes the
-# unspilled mma.sync tiles there. (kernel, dtype, case)
+# every wgmma tile (M >= 64 rows) spilled 300-2200 B per thread in f32 (TF32) (compiled,
+# H200, tiles in bench/results/); the table takes the unspilled mma.sync tiles there.
+# (kernel, dtype, case)
 MMA_SYNC_ON_SM90 = {
     (k, "float32", "1x4096x16:8x256-causal-window-softcap")
     for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")
 } | {
     ("attention_fwd", "float32", "jvp:1x4096x16:8x256-causal-window-softcap"),
     ("attention_jvp", "float32", "jvp:1x4096x16:8x256-causal-window-softcap"),
-    ("attention_jvp", "bfloat16", "jvp:1x4096x16:8x256-causal-window-softcap"),
 }
 # Main-loop SASS instructions per unique score element (deviceless.main_loop's counting rule)
 # at head_dim 128, bf16, H200: at most 18 in the forward, 27 in dk/dv, 22 in dq.
