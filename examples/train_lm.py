@@ -4,9 +4,10 @@ The model: byte embedding, N blocks of [RMSNorm -> GQA causal attention with RoP
 residual add -> RMSNorm -> SwiGLU MLP -> residual add], a final RMSNorm and a tied output
 projection, trained with optax AdamW (linear warmup + cosine decay) in one jitted step.
 The loss of the tied head is ``linear_cross_entropy`` (``Embed.attend_cross_entropy``):
-the [batch, seq, vocab] logits are never stored, in the forward or the backward. Default corpus: the Python standard library's own source files, found
-through ``sysconfig`` (present on every Python install, no download); ``--data PATH``
-trains on any text file. The last 5% of the corpus is held out for evaluation.
+the [batch, seq, vocab] logits are never stored, in the forward or the backward. Default
+corpus: the Python standard library's own source files, found through ``sysconfig``
+(present on every Python install, no download); ``--data PATH`` trains on any text file.
+The last 5% of the corpus (at least 4096 bytes) is held out for evaluation.
 
 Writes ``runs/<name>/metrics.json`` and ``runs/<name>/loss.png`` and prints bits per byte
 against the unigram baseline and a generated sample.
@@ -30,6 +31,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import sysconfig
@@ -107,7 +109,8 @@ def load_data(path: Optional[str], max_bytes: Optional[int] = None):
     data = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
     n_eval = max(len(data) // 20, 4096)
     if len(data) < 2 * n_eval:
-        raise ValueError(f"train_lm: corpus too small ({len(data)} bytes)")
+        raise ValueError(f"the corpus has {len(data)} bytes; at least {2 * 4096} are needed "
+                         "(the last 5%, at least 4096 bytes, is held out)")
     return data[:-n_eval], data[-n_eval:]
 
 
@@ -336,13 +339,22 @@ def main(argv=None) -> int:
         if args.steps < 1:
             p.error("--steps must be >= 1")
         cfg = dataclasses.replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
+    if args.max_bytes is not None and args.max_bytes < 1:
+        p.error(f"--max-bytes must be >= 1, got {args.max_bytes}")
+    if args.data is not None and not os.path.isfile(args.data):
+        p.error(f"--data {args.data}: {'is a folder, not a file' if os.path.isdir(args.data) else 'no such file'}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: is a file, not a folder")
     impl = args.implementation
     if impl == "pallas" and jax.default_backend() != "gpu":
         jaxbwd.config.set_default(interpret=True)
         print("note: no GPU, Pallas kernels run in interpret mode (slow)"
               + ("; --preset tiny finishes in minutes" if args.preset != "tiny" else ""))
 
-    train, held = load_data(args.data, args.max_bytes)
+    try:
+        train, held = load_data(args.data, args.max_bytes)
+    except (OSError, ValueError) as e:
+        p.error(f"{e.strerror or e}: {args.data}" if isinstance(e, OSError) else str(e))
     rng = np.random.default_rng(cfg.seed)
     train_it = batches(train, cfg, rng)
     x0, y0 = next(train_it)

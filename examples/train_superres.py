@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
                    help="jaxbwd implementation (default: pallas on GPU, xla elsewhere; pallas without a GPU runs "
                         "the kernels in interpret mode, slowly)")
-    p.add_argument("--name", default=None, help="run name under --out (default: superres-IMPLEMENTATION)")
+    p.add_argument("--name", default=None, help="run name under --out (default: superres-IMPLEMENTATION, -r1 added with --r1)")
     p.add_argument("--out", default="runs", help="output folder (default: runs/ in the current directory)")
     p.add_argument("--r1", type=float, default=None, metavar="GAMMA",
                    help="also train adversarially against a patch discriminator with an R1 gradient penalty of "
@@ -141,17 +142,25 @@ def main(argv=None) -> int:
                    help="weight of the generator's adversarial loss next to the pixel MSE with --r1 (default 0.01)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.crop % 2:
-        raise SystemExit("train_superres: --crop must be even")
+    for flag, v in (("--steps", args.steps), ("--batch", args.batch)):
+        if v < 1:
+            p.error(f"{flag} must be >= 1, got {v}")
+    if args.crop < 2 or args.crop % 2:
+        p.error(f"--crop must be even and >= 2, got {args.crop}")
     if args.r1 is not None and (args.crop % 4 or args.r1 < 0):
-        raise SystemExit("train_superres: --r1 needs GAMMA >= 0 and a --crop that is a multiple of 4 "
-                         f"(the discriminator downsamples twice), got GAMMA={args.r1}, --crop {args.crop}")
+        p.error("--r1 needs GAMMA >= 0 and a --crop that is a multiple of 4 "
+                f"(the discriminator downsamples twice), got GAMMA={args.r1}, --crop {args.crop}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: is a file, not a folder")
     impl = args.implementation
     if impl == "pallas" and jax.default_backend() != "gpu":
         jaxbwd.config.set_default(interpret=True)
         print("note: no GPU, Pallas kernels run in interpret mode (slow): use few --steps and a small --crop")
 
     train, held = load_images(TRAIN_IMAGES), load_images(HELD_OUT)
+    largest = min(min(im.shape[:2]) for im in train)
+    if args.crop > largest:
+        p.error(f"--crop must be at most {largest} (the smallest training image's side), got {args.crop}")
     rng = np.random.default_rng(0)
     model = SuperRes(implementation=impl)
     lr0 = downsample(random_crops(train, args.batch, args.crop, rng))
@@ -223,7 +232,8 @@ def main(argv=None) -> int:
         results.append({"image": name, "psnr_bicubic": psnr(bicubic, hr), "psnr_model": psnr(pred, hr)})
         near = np.repeat(np.repeat(lr, 2, 0), 2, 1)
         panels.append(np.concatenate([near, np.clip(bicubic, 0, 1), np.clip(pred, 0, 1), hr], axis=1))
-    out = pathlib.Path(args.out) / (args.name or f"superres-{impl or jaxbwd.config.default_implementation()}")
+    out = pathlib.Path(args.out) / (args.name or f"superres-{impl or jaxbwd.config.default_implementation()}"
+                                      + ("-r1" if args.r1 is not None else ""))
     out.mkdir(parents=True, exist_ok=True)
     _save(panels, out / "superres.png")
     mean_b = float(np.mean([r["psnr_bicubic"] for r in results]))

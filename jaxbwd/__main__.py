@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -164,13 +165,6 @@ def _compile(args) -> int:
     for m in missing_k:
         print(f"MISSING {m}")
     print(deviceless.summary(report))
-    if args.baseline:
-        import json
-
-        with open(args.baseline) as f:
-            h, rows = deviceless.compare(json.load(f), report)
-        print(f"\nchanges against {args.baseline}:")
-        print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
     if args.json:
         import json
 
@@ -179,6 +173,10 @@ def _compile(args) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(deviceless.markdown(report))
+    if args.baseline:
+        h, rows = deviceless.compare(args.baseline_report, report)
+        print(f"\nchanges against {args.baseline}:")
+        print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
     return 1 if report["failures"] or missing_k else 0
 
 
@@ -268,18 +266,61 @@ def _bad_arguments(args):
         return f"--repeats must be >= 1, got {args.repeats}"
     if getattr(args, "jobs", None) is not None and args.jobs < 1:
         return f"--jobs must be >= 1, got {args.jobs}"
-    if getattr(args, "timeout", 1.0) <= 0:
-        return f"--timeout must be > 0 seconds, got {args.timeout}"
+    timeout = getattr(args, "timeout", 1.0)
+    if not (math.isfinite(timeout) and timeout > 0):
+        return f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
     if hasattr(args, "dtype") and args.cmd == "compile":
         bad = [d for d in args.dtype.split(",") if d.strip() not in set(_DTYPES) | set(_DTYPES.values())]
         if bad:
             return f"unknown --dtype {', '.join(bad)}; known: {', '.join(_DTYPES)}"
-    if getattr(args, "baseline", None) and not os.path.isfile(args.baseline):
-        return f"--baseline {args.baseline}: no such file"
+    if getattr(args, "baseline", None):
+        problem = _read_baseline(args)
+        if problem:
+            return problem
     for opt in ("json", "markdown", "plot"):
         path = getattr(args, opt, None)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            return f"--{opt} {path}: its folder does not exist"
+        if path:
+            problem = _unwritable(path)
+            if problem:
+                return f"--{opt} {path}: {problem}"
+    return None
+
+
+def _read_baseline(args):
+    """Reads ``--baseline`` into ``args.baseline_report``; what is wrong with it, or None."""
+    import json
+
+    if not os.path.isfile(args.baseline):
+        return f"--baseline {args.baseline}: no such file"
+    try:
+        with open(args.baseline, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"--baseline {args.baseline}: not a JSON report of `python -m jaxbwd compile --json` ({e})"
+    rows = report.get("rows") if isinstance(report, dict) else None
+    keys = {"op", "case", "dtype", "gpu", "kernel"}
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and keys <= r.keys() for r in rows)):
+        return (f"--baseline {args.baseline}: not a report of `python -m jaxbwd compile --json` "
+                f"(no list of rows with {', '.join(sorted(keys))} under \"rows\")")
+    args.baseline_report = report
+    return None
+
+
+def _unwritable(path):
+    """Why ``path`` cannot be written, or None. Tried by opening it for appending (a file
+    that did not exist is removed again): permissions alone do not tell, e.g. as root."""
+    if os.path.isdir(path):
+        return "is a folder, not a file"
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        return "its folder does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e})"
+    if not existed:
+        os.remove(path)
     return None
 
 

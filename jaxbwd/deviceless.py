@@ -947,7 +947,7 @@ def compare(baseline: dict[str, Any], report: dict[str, Any]) -> tuple[list[str]
             continue
         cells = []
         for _, k in COMPARED:
-            fmt = (lambda v: f"{v:.2f}") if k == "waves" else (lambda v: "-" if v is None else str(v))
+            fmt = lambda v: "-" if v is None else f"{v:.2f}" if k == "waves" else str(v)  # noqa: E731
             old_v, new_v = b.get(k), r.get(k)
             cells.append(fmt(new_v) if old_v == new_v else f"{fmt(old_v)} -> {fmt(new_v)}")
         rows.append(list(key(r)[:4]) + [r["kernel"]] + cells)

@@ -146,15 +146,59 @@ def test_every_option_has_help_text(program, monkeypatch):
      "--json /nonexistent-dir/x.json: its folder does not exist"),
     (["compile", "--ops", "silu", "--dtype", "f64"], "unknown --dtype f64; known: f32, bf16, f16"),
     (["compile", "--ops", "silu", "--jobs", "0"], "--jobs must be >= 1, got 0"),
-    (["compile", "--ops", "silu", "--timeout", "-5"], "--timeout must be > 0 seconds, got -5.0"),
+    (["compile", "--ops", "silu", "--timeout", "-5"], "--timeout must be a finite number of seconds > 0, got -5.0"),
+    (["compile", "--ops", "silu", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
+    (["compile", "--ops", "silu", "--timeout", "inf"], "--timeout must be a finite number of seconds > 0, got inf"),
     (["compile", "--ops", "silu", "--baseline", "/nonexistent-dir/b.json"],
      "--baseline /nonexistent-dir/b.json: no such file"),
-], ids=["repeats", "json-folder", "dtype", "jobs", "timeout", "baseline"])
+    (["bench", "--ops", "silu", "--json", "/"], "--json /: is a folder, not a file"),
+], ids=["repeats", "json-folder", "dtype", "jobs", "timeout", "timeout-nan", "timeout-inf", "baseline", "json-is-folder"])
 def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
     """Checked before anything runs: a report lost to an unwritable path after a long
     compile is worse than an early error."""
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"not json", "not a JSON report of `python -m jaxbwd compile --json` (Expecting value"),
+    (b"", "not a JSON report of `python -m jaxbwd compile --json` (Expecting value"),
+    (b"\xff\xfe\x00binary", "not a JSON report of `python -m jaxbwd compile --json` ('utf-8' codec"),
+    (b'{"a": 1}', 'not a report of `python -m jaxbwd compile --json` (no list of rows with case, dtype, gpu, '
+                  'kernel, op under "rows")'),
+    (b'{"rows": [{"op": "silu"}]}', "not a report of `python -m jaxbwd compile --json` (no list of rows"),
+    (b"[]", "not a report of `python -m jaxbwd compile --json` (no list of rows"),
+], ids=["text", "empty", "binary", "no-rows", "row-keys", "list"])
+def test_compile_baseline_is_read_before_any_work(content, why, tmp_path, capsys):
+    baseline = tmp_path / "b.json"
+    baseline.write_bytes(content)
+    assert cli.main(["compile", "--ops", "silu", "--baseline", str(baseline), "--json", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: --baseline {baseline}: {why}")
+    assert not (tmp_path / "r.json").exists()  # the writability probe leaves nothing behind
+
+
+@pytest.mark.parametrize("program, argv, message", [
+    ("train_lm", ["--data", "/nonexistent-dir/corpus.txt"], "--data /nonexistent-dir/corpus.txt: no such file"),
+    ("train_lm", ["--data", "{tmp}"], "--data {tmp}: is a folder, not a file"),
+    ("train_lm", ["--data", "{tmp}/small.txt"],
+     "the corpus has 5 bytes; at least 8192 are needed (the last 5%, at least 4096 bytes, is held out)"),
+    ("train_lm", ["--max-bytes", "0"], "--max-bytes must be >= 1, got 0"),
+    ("train_lm", ["--out", "{tmp}/small.txt"], "--out {tmp}/small.txt: is a file, not a folder"),
+    ("train_superres", ["--steps", "0"], "--steps must be >= 1, got 0"),
+    ("train_superres", ["--batch", "0"], "--batch must be >= 1, got 0"),
+    ("train_superres", ["--crop", "-4"], "--crop must be even and >= 2, got -4"),
+    ("train_superres", ["--crop", "5000"], "--crop must be at most 300 (the smallest training image's side), got 5000"),
+    ("train_superres", ["--out", "{tmp}/small.txt"], "--out {tmp}/small.txt: is a file, not a folder"),
+], ids=["lm-data-missing", "lm-data-folder", "lm-data-small", "lm-max-bytes", "lm-out-file", "sr-steps", "sr-batch",
+        "sr-crop-negative", "sr-crop-large", "sr-out-file"])
+def test_example_bad_arguments_are_argparse_errors(program, argv, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "small.txt").write_text("hello")
+    main = _example_main(program, monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", *[a.format(tmp=tmp_path) for a in argv]] if program == "train_lm"
+             else [a.format(tmp=tmp_path) for a in argv])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message.format(tmp=tmp_path)}")
 
 
 @pytest.mark.parametrize("module, message", [
