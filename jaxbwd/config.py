@@ -89,7 +89,12 @@ def _env_pallas_backend() -> str:
 
 
 def _env_interpret() -> bool:
-    return os.environ.get("JAXBWD_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+    value = os.environ.get("JAXBWD_INTERPRET", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"jaxbwd: JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

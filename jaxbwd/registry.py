@@ -931,11 +931,13 @@ def get(name: str) -> OpSpec:
 
 
 def ops(names: Optional[Sequence[str]] = None) -> list[OpSpec]:
-    """Specs in registry order, optionally restricted to ``names``; a name ``module:ATTR`` (or
-    ``path/file.py:ATTR``) loads and registers the user's spec(s) there (see :func:`load`)."""
+    """Specs in registry order, optionally restricted to ``names`` (in their order, each op
+    once); a name ``module:ATTR`` (or ``path/file.py:ATTR``) loads and registers the user's
+    spec(s) there (see :func:`load`)."""
     if not names:
         return list(REGISTRY.values())
-    return [get(n) for name in names for n in (load(name) if ":" in name else [name])]
+    chosen = [n for name in names for n in (load(name) if ":" in name else [name])]
+    return [get(n) for n in dict.fromkeys(chosen)]
 
 
 # Import paths loaded so far; compile workers (other processes) load them again from here.

@@ -218,3 +218,9 @@ def test_user_op_named_like_a_builtin_is_one_line(module, message, tmp_path, cap
     path = f"{tmp_path / 'clash.py'}:SPEC"
     assert cli.main(["list", "--ops", path]) == 2
     assert capsys.readouterr().err.strip() == message.format(path=path)
+
+
+def test_an_op_named_twice_is_listed_once(capsys):
+    assert [s.name for s in registry.ops(["rms_norm", "silu", "rms_norm"])] == ["rms_norm", "silu"]
+    assert cli.main(["list", "--ops", "rms_norm", "rms_norm", "--wide"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3  # header, rule, one row

@@ -42,6 +42,12 @@ def test_environment_variables():
     env["JAXBWD_IMPLEMENTATION"] = "bogus"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "JAXBWD_IMPLEMENTATION must be one of" in bad.stderr
+    env = dict(os.environ, JAXBWD_INTERPRET="Off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[1] == "False"
+    env["JAXBWD_INTERPRET"] = "maybe"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got 'maybe'" in bad.stderr
 
 
 def test_pallas_on_cpu_without_interpret_fails_clearly():
