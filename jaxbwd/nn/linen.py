@@ -77,6 +77,10 @@ class LayerNorm(_Impl, fnn.LayerNorm):
     float32 row (flax's slow, accurate form; the fast form is only a cheaper formula for the
     same quantity). dtype as :class:`RMSNorm`. Any other configuration runs flax's code.
     Call: x [..., D] -> same shape. Source: Ba et al. (2016).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.layer_norm` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -103,6 +107,11 @@ class Embed(_Impl, fnn.Embed):
     runs :func:`jaxbwd.matmul` on flax's promoted operands: bf16 queries with an f32 table
     give f32 logits, as flax.
     Call: ids int [...] -> [..., features]. Source: a lookup table.
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.embed` (TypeError for float64 with
+    ``implementation="pallas"``); flax's ValueError for ids that are not integers; flax's own
+    on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -138,6 +147,10 @@ class Dense(_Impl, fnn.Dense):
     ``dot_general``/``dot_general_cls``; operands promoted by the module's ``promote_dtype``
     (``dtype``/``param_dtype`` as flax). Otherwise flax's code.
     Call: x [..., in] -> [..., features]. Source: as ``flax.linen.Dense``.
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.matmul` and :func:`jaxbwd.bias_add` (TypeError for
+    float64 with a bias and ``implementation="pallas"``); flax's own on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -172,6 +185,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     another value depth: its code runs then). Anything else (an empty key sequence too)
     runs flax's own function.
     Source: Vaswani et al. (2017).
+
+    Errors: flax's own shape checks first (AssertionError for head counts that differ, as
+    flax), then on jaxbwd's path those of :func:`jaxbwd.dot_product_attention`.
     """
     query, key, value = fnn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     covered = ((dropout_rate == 0.0 or deterministic) and precision is None and einsum_dot_general is None
@@ -206,6 +222,13 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
     covers the call, flax's function otherwise); projections are flax's ``DenseGeneral``.
     ``implementation`` applies to the attention op (and, via :func:`jaxbwd.config.use`, to
     jaxbwd's ops in a user's ``attention_fn``). Source: Vaswani et al. (2017).
+
+    Call: inputs_q [batch..., q_len, in_features] (inputs_k/inputs_v [batch..., kv_len,
+    in_features]) -> [batch..., q_len, out_features or in_features], as flax; dtypes as flax
+    (jaxbwd's op takes float32, bfloat16 or float16 (float64 on the XLA path)). Errors:
+    ValueError for an unknown ``implementation`` (when the module is built); on the kernel
+    path those of :func:`jaxbwd.dot_product_attention` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     attention_fn: Callable[..., Any] = dot_product_attention
@@ -222,6 +245,9 @@ class SwiGLUMLP(_Impl, fnn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020); submodules ``gate``, ``up``, ``down``.
 
     Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: those of the ops.
+
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
+    dtype.
     """
 
     hidden: int
@@ -244,6 +270,9 @@ class Attention(_Impl, fnn.Module):
     -> [B, T, D]. ``num_heads % num_kv_heads == 0``. Errors: those of
     :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
     Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
+
+    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
+    dtype.
     """
 
     num_heads: int
@@ -278,6 +307,11 @@ class GroupNorm(_Impl, fnn.GroupNorm):
     ``epsilon > 0``; ``use_fast_variance`` as :class:`LayerNorm`. Otherwise flax's code.
     Extra: ``activation="silu"`` fuses the SiLU that UNet blocks apply next (applied after
     flax's result on the other path). Call: x [N, ..., C] -> same shape. Source: Wu & He (2018).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.group_norm` (TypeError for float64 with
+    ``implementation="pallas"``); ValueError for an ``activation`` other than None or
+    "silu"; flax's own on flax's path.
     """
 
     activation: Optional[str] = None
@@ -318,6 +352,10 @@ class BatchNorm(_Impl, fnn.BatchNorm):
     float32 variance either way). With ``use_running_average`` the normalisation is
     jaxbwd's eval form (an affine map). Otherwise flax's code. dtype as :class:`LayerNorm`.
     Call: x [N, ..., C] (channels on ``axis``) -> same shape. Source: Ioffe & Szegedy (2015).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.batch_norm` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -366,6 +404,10 @@ class Dropout(_Impl, fnn.Dropout):
     ``jax.random.bernoulli``: the same keep probability and scaling, other elements than
     flax's for the same key. Call: x [...] -> same shape and dtype.
     Source: Srivastava et al. (JMLR 2014).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.dropout` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -397,6 +439,11 @@ class Conv(_Impl, fnn.Conv):
     long as one element is left), unbatched or any number of batch dims, ``precision=None``
     and no ``conv_general_dilated``/``_cls``. Otherwise (3-D kernels, input dilation, other
     padding strings, a precision) flax's code. Source: as ``flax.linen.Conv``.
+
+    dtypes: x and kernel float32, bfloat16 or float16 (float64 on the XLA path); the
+    result's dtype is flax's. Errors: ValueError for an unknown ``implementation`` (when the
+    module is built); on the kernel path those of :func:`jaxbwd.conv2d` (TypeError for
+    float64 with ``implementation="pallas"``); flax's own on flax's path.
     """
 
     implementation: Optional[str] = None
@@ -427,6 +474,8 @@ class PixelShuffle(_Impl, fnn.Module):
     """Depth to space: [N, H, W, C*r*r] -> [N, H*r, W*r, C] (no parameters).
 
     Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
+
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path), kept.
     """
 
     upscale_factor: int
@@ -440,6 +489,9 @@ class Upsample(_Impl, fnn.Module):
     """Nearest or bilinear upsampling of NHWC images by integer factors (no parameters).
 
     Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
+
+    Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
+    W*sw, C], same dtype.
     """
 
     scale: Any = 2

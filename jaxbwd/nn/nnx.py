@@ -21,6 +21,10 @@ import jaxbwd
 from jaxbwd.nn import _kernels as K
 
 
+__all__ = ["Attention", "BatchNorm", "Conv", "Dropout", "Embed", "GroupNorm", "LayerNorm", "Linear",
+           "MultiHeadAttention", "PixelShuffle", "RMSNorm", "SwiGLUMLP", "Upsample", "dot_product_attention"]
+
+
 def _value(p):
     return None if p is None else (p[...] if hasattr(p, "__getitem__") else p.value)
 
@@ -41,6 +45,10 @@ class RMSNorm(nnx.RMSNorm, _Impl):
     no ``mask``, ``epsilon > 0`` (``use_scale=False`` runs with a unit weight). x and scale
     are first promoted by the module's ``promote_dtype`` (``dtype``), as flax. Otherwise
     flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Zhang & Sennrich (2019).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.rms_norm` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -61,6 +69,10 @@ class LayerNorm(nnx.LayerNorm, _Impl):
     Kernel path: as :class:`RMSNorm`; ``use_scale``/``use_bias=False`` run with a unit
     weight / zero bias; ``use_fast_variance`` as :class:`jaxbwd.nn.LayerNorm`. Otherwise
     flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Ba et al. (2016).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.layer_norm` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -82,6 +94,10 @@ class Linear(nnx.Linear, _Impl):
     ``preferred_element_type``, no ``out_sharding`` at the call; operands promoted by the
     module's ``promote_dtype``. Otherwise flax's ``__call__``.
     Call: x [..., in_features] -> [..., out_features].
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.matmul` and :func:`jaxbwd.bias_add` (TypeError for
+    float64 with a bias and ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -104,6 +120,11 @@ class Embed(nnx.Embed, _Impl):
     jnp.take's wrap/NaN conventions for out-of-range ids), and no ``out_sharding``.
     ``attend(query)`` runs :func:`jaxbwd.matmul` on flax's promoted operands.
     Call: ids int [...] -> [..., features].
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.embed` (TypeError for float64 with
+    ``implementation="pallas"``); flax's ValueError for ids that are not integers; flax's own
+    on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -140,6 +161,11 @@ class GroupNorm(nnx.GroupNorm, _Impl):
     Extra: ``activation="silu"`` fuses the SiLU that UNet blocks apply next (applied after
     flax's result on the other path). Call: x [N, ..., num_features] -> same shape.
     Source: Wu & He (2018).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.group_norm` (TypeError for float64 with
+    ``implementation="pallas"``); ValueError for an ``activation`` other than None or "silu"
+    (when built); flax's own on flax's path.
     """
 
     def __init__(self, *args, activation: Optional[str] = None, implementation: Optional[str] = None, **kwargs):
@@ -167,6 +193,11 @@ class Conv(nnx.Conv, _Impl):
     other strings, no input dilation, ``mask`` multiplied in, any batch dims), plus the
     default ``conv_general_dilated``, no ``preferred_element_type``, no ``out_sharding``.
     Otherwise flax's ``__call__``.
+
+    dtypes: x and kernel float32, bfloat16 or float16 (float64 on the XLA path); the
+    result's dtype is flax's. Errors: ValueError for an unknown ``implementation`` (when the
+    module is built); on the kernel path those of :func:`jaxbwd.conv2d` (TypeError for
+    float64 with ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -204,6 +235,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     documented XLA path, several batch dims flattened as flax does. ``precision`` is
     ignored there by flax too. Otherwise (dropout, ``module``, no keys) flax's function runs.
     Source: Vaswani et al. (2017).
+
+    Errors: on jaxbwd's path those of :func:`jaxbwd.dot_product_attention` (e.g. ValueError
+    for query heads that are not a multiple of the key heads), flax's own on flax's path.
     """
     if dropout_rate != 0.0 or module is not None or query.ndim < 3 or key.shape[-3] == 0:
         return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
@@ -224,6 +258,13 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
     flax's. ``implementation`` applies to the attention op (and, via
     :func:`jaxbwd.config.use`, to jaxbwd's ops in a user's ``attention_fn``).
     Source: Vaswani et al. (2017).
+
+    Call: inputs_q [batch..., q_len, in_features] (inputs_k/inputs_v [batch..., kv_len,
+    in_features]) -> [batch..., q_len, out_features or in_features], as flax; dtypes as flax
+    (jaxbwd's op takes float32, bfloat16 or float16 (float64 on the XLA path)). Errors:
+    ValueError for an unknown ``implementation`` (when the module is built); on the kernel
+    path those of :func:`jaxbwd.dot_product_attention` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     _per_call = False
@@ -242,6 +283,9 @@ class SwiGLUMLP(nnx.Module, _Impl):
 
     Call: x [..., features] -> [..., features]; ``limit`` clamps as gpt-oss. Errors: those
     of the ops.
+
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
+    dtype.
     """
 
     def __init__(self, features: int, hidden: int, *, limit: Optional[float] = None, use_bias: bool = False,
@@ -263,6 +307,9 @@ class Attention(nnx.Module, _Impl):
     [B, T]) -> [B, T, features]. Errors: those of :func:`jaxbwd.dot_product_attention` and
     :func:`jaxbwd.rope`. Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su
     et al. (2021).
+
+    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
+    dtype.
     """
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -295,6 +342,8 @@ class PixelShuffle(nnx.Module, _Impl):
     """Depth to space [N, H, W, C*r*r] -> [N, H*r, W*r, C] via :func:`jaxbwd.pixel_shuffle` (no state).
 
     Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
+
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path), kept.
     """
 
     def __init__(self, upscale_factor: int, *, implementation: Optional[str] = None):
@@ -309,6 +358,9 @@ class Upsample(nnx.Module, _Impl):
     """Nearest or bilinear NHWC upsampling via :func:`jaxbwd.upsample2d` (no state).
 
     Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
+
+    Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
+    W*sw, C], same dtype.
     """
 
     def __init__(self, scale=2, *, method: str = "nearest", implementation: Optional[str] = None):
@@ -332,6 +384,10 @@ class BatchNorm(nnx.BatchNorm, _Impl):
     statistics are float32, two-pass, whatever ``use_fast_variance``. Otherwise flax's
     ``__call__``.
     Call: x [N, ..., C] (channels on ``axis``) -> same shape. Source: Ioffe & Szegedy (2015).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.batch_norm` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -376,6 +432,10 @@ class Dropout(nnx.Dropout, _Impl):
     gives its ``rng_collection`` stream), the mask from it is jaxbwd's counter hash: flax's
     keep probability and scaling, other elements. Call: x [...] -> same shape and dtype.
     Source: Srivastava et al. (JMLR 2014).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
+    kernel path those of :func:`jaxbwd.dropout` (TypeError for float64 with
+    ``implementation="pallas"``); flax's own on flax's path.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
