@@ -130,8 +130,12 @@ SPEC = squared_relu.spec(
 
 
 if __name__ == "__main__":
+    import argparse
+
     from jaxbwd import check
 
+    argparse.ArgumentParser(description="Checks squared_relu's backward (XLA and Pallas; the kernel in "
+                            "interpret mode without a GPU) against autodiff of its reference.").parse_args()
     with jaxbwd.config.use(interpret=jax.default_backend() != "gpu"):
         for impl in ("xla", "pallas"):
             for row in check.check_op(SPEC, impl):
