@@ -259,12 +259,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
     :func:`jaxbwd.config.use`, to jaxbwd's ops in a user's ``attention_fn``).
     Source: Vaswani et al. (2017).
 
-    Call: inputs_q [batch..., q_len, in_features] (inputs_k/inputs_v [batch..., kv_len,
-    in_features]) -> [batch..., q_len, out_features or in_features], as flax; dtypes as flax
-    (jaxbwd's op takes float32, bfloat16 or float16 (float64 on the XLA path)). Errors:
-    ValueError for an unknown ``implementation`` (when the module is built); on the kernel
-    path those of :func:`jaxbwd.dot_product_attention` (TypeError for float64 with
-    ``implementation="pallas"``); flax's own on flax's path.
+    Call shapes, dtypes and errors: as :class:`jaxbwd.nn.MultiHeadDotProductAttention`.
     """
 
     _per_call = False
