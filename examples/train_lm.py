@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
     if args.max_bytes is not None and args.max_bytes < 1:
         p.error(f"--max-bytes must be >= 1, got {args.max_bytes}")
-    if args.data is not None and not os.path.isfile(args.data):
+    if args.data is not None and (os.path.isdir(args.data) or not os.path.exists(args.data)):
         p.error(f"--data {args.data}: {'is a folder, not a file' if os.path.isdir(args.data) else 'no such file'}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: is a file, not a folder")
@@ -354,7 +354,9 @@ def main(argv=None) -> int:
     try:
         train, held = load_data(args.data, args.max_bytes)
     except (OSError, ValueError) as e:
-        p.error(f"{e.strerror or e}: {args.data}" if isinstance(e, OSError) else str(e))
+        if isinstance(e, OSError):
+            p.error(f"{e.strerror or e}: {e.filename or args.data}")
+        p.error(f"{e}" + (f" (--max-bytes {args.max_bytes})" if args.max_bytes else ""))
     rng = np.random.default_rng(cfg.seed)
     train_it = batches(train, cfg, rng)
     x0, y0 = next(train_it)

@@ -174,6 +174,10 @@ def _compile(args) -> int:
         with open(args.markdown, "w") as f:
             f.write(deviceless.markdown(report))
     if args.baseline:
+        if not hasattr(args, "baseline_report"):  # called without _bad_arguments
+            problem = _read_baseline(args)
+            if problem:
+                raise ValueError(problem)
         h, rows = deviceless.compare(args.baseline_report, report)
         print(f"\nchanges against {args.baseline}:")
         print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
@@ -307,22 +311,26 @@ def _read_baseline(args):
 
 
 def _unwritable(path):
-    """Why ``path`` cannot be written, or None. Tried by opening it for appending (a file
-    that did not exist is removed again): permissions alone do not tell, e.g. as root."""
+    """Why ``path`` cannot be written, or None. A new file is tried by creating it (and
+    removing it again), an existing regular file by opening it for appending (nothing is
+    written): permissions alone do not tell, e.g. as root. Anything else already there (a
+    link to nowhere, a pipe) is left untouched and to the write itself."""
     if os.path.isdir(path):
         return "is a folder, not a file"
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         return "its folder does not exist"
-    existed = os.path.exists(path)
     try:
-        with open(path, "a"):
-            pass
+        if not os.path.lexists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.remove(path)
+        elif os.path.isfile(path) and not os.path.islink(path):
+            with open(path, "a"):
+                pass
+    except FileExistsError:  # created by someone else meanwhile: theirs, not ours to remove
+        return None
     except OSError as e:
         return f"cannot be written ({e.strerror or e})"
-    if not existed:
-        os.remove(path)
     return None
-
 
 if __name__ == "__main__":
     sys.exit(main())

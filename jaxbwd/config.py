@@ -89,12 +89,13 @@ def _env_pallas_backend() -> str:
 
 
 def _env_interpret() -> bool:
-    value = os.environ.get("JAXBWD_INTERPRET", "").strip().lower()
+    raw = os.environ.get("JAXBWD_INTERPRET", "")
+    value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("", "0", "false", "no", "off"):
         return False
-    raise ValueError(f"jaxbwd: JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got {value!r}")
+    raise ValueError(f"jaxbwd: JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got {raw!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pathlib
 import sys
 from unittest import mock
@@ -172,9 +173,29 @@ def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
 def test_compile_baseline_is_read_before_any_work(content, why, tmp_path, capsys):
     baseline = tmp_path / "b.json"
     baseline.write_bytes(content)
-    assert cli.main(["compile", "--ops", "silu", "--baseline", str(baseline), "--json", str(tmp_path / "r.json")]) == 2
+    assert cli.main(["compile", "--ops", "silu", "--baseline", str(baseline)]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: --baseline {baseline}: {why}")
-    assert not (tmp_path / "r.json").exists()  # the writability probe leaves nothing behind
+
+
+def test_output_path_probe_leaves_things_as_they_were(tmp_path):
+    new, old, link = tmp_path / "new.json", tmp_path / "old.json", tmp_path / "link.json"
+    old.write_text("keep")
+    link.symlink_to(tmp_path / "nowhere.json")
+    assert cli._unwritable(str(new)) is None and not new.exists()
+    assert cli._unwritable(str(old)) is None and old.read_text() == "keep"
+    assert cli._unwritable(str(link)) is None and link.is_symlink() and not (tmp_path / "nowhere.json").exists()
+    assert cli._unwritable(str(tmp_path)) == "is a folder, not a file"
+    assert cli._unwritable(str(tmp_path / "no-dir" / "x.json")) == "its folder does not exist"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK) and os.geteuid() == 0:  # root writes anyway: /proc is not writable for anyone
+            assert cli._unwritable("/proc/jaxbwd-probe.json").startswith("cannot be written (")
+        else:
+            assert cli._unwritable(str(ro / "x.json")).startswith("cannot be written (")
+    finally:
+        ro.chmod(0o700)
 
 
 @pytest.mark.parametrize("program, argv, message", [

@@ -44,7 +44,7 @@ IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchif
 CE_FWD_OVER_MIN = 1.02
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
 # Kernels that run mma.sync (HMMA) on sm_90 at one registry case, not wgmma: at head_dim 256
-# every wgmma tile (M >= 64 rows) spilled 300-2200 B per thread in f32 (TF32) (compiled,
+# every wgmma tile (M >= 64 rows) spilled 300-4100 B per thread in f32 (TF32) (compiled,
 # H200, tiles in bench/results/); the table takes the unspilled mma.sync tiles there.
 # (kernel, dtype, case)
 MMA_SYNC_ON_SM90 = {

@@ -464,5 +464,7 @@ def test_conv2d_padding_takes_numpy_int_arrays():
     want = jaxbwd.conv2d(x, w, padding=((1, 2), (0, 1)))
     chex.assert_trees_all_equal(jaxbwd.conv2d(x, w, padding=np.array([[1, 2], [0, 1]])), want)
     chex.assert_trees_all_equal(jaxbwd.conv2d(x, w, padding=np.array([1, 1])), jaxbwd.conv2d(x, w, padding=1))
-    with pytest.raises(TypeError, match=r"jaxbwd.conv2d: padding must be a static Python int, got 1.5"):
-        jaxbwd.conv2d(x, w, padding=np.array([[1.5, 1], [1, 1]]))
+    assert jaxbwd.conv2d(x, w, padding=np.array(1)).shape == (1, 6, 6, 4)
+    for bad in (np.array([[1.5, 1], [1, 1]]), np.array([[True, False], [True, True]])):
+        with pytest.raises(TypeError, match=r"jaxbwd.conv2d: padding must be a static Python int, got array"):
+            jaxbwd.conv2d(x, w, padding=bad)

@@ -225,7 +225,7 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
 
     Call: inputs_q [batch..., q_len, in_features] (inputs_k/inputs_v [batch..., kv_len,
     in_features]) -> [batch..., q_len, out_features or in_features], as flax; dtypes as flax
-    (jaxbwd's op takes float32, bfloat16 or float16 (float64 on the XLA path)). Errors:
+    (jaxbwd's op takes float32, bfloat16 or float16, and float64 on the XLA path). Errors:
     ValueError for an unknown ``implementation`` (when the module is built); on the kernel
     path those of :func:`jaxbwd.dot_product_attention` (TypeError for float64 with
     ``implementation="pallas"``); flax's own on flax's path.
@@ -246,8 +246,9 @@ class SwiGLUMLP(_Impl, fnn.Module):
 
     Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: those of the ops.
 
-    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
-    dtype.
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
+    float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
+    and float32 x, float64 for float64 x.
     """
 
     hidden: int
@@ -271,8 +272,9 @@ class Attention(_Impl, fnn.Module):
     :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
     Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
 
-    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
-    dtype.
+    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
+    float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
+    and float32 x, float64 for float64 x.
     """
 
     num_heads: int
@@ -491,7 +493,7 @@ class Upsample(_Impl, fnn.Module):
     Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
 
     Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
-    W*sw, C], same dtype.
+    W*sw, C] for ``scale`` (sh, sw) (an int s: sh = sw = s), same dtype.
     """
 
     scale: Any = 2

@@ -279,8 +279,9 @@ class SwiGLUMLP(nnx.Module, _Impl):
     Call: x [..., features] -> [..., features]; ``limit`` clamps as gpt-oss. Errors: those
     of the ops.
 
-    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
-    dtype.
+    dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
+    float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
+    and float32 x, float64 for float64 x.
     """
 
     def __init__(self, features: int, hidden: int, *, limit: Optional[float] = None, use_bias: bool = False,
@@ -303,8 +304,9 @@ class Attention(nnx.Module, _Impl):
     :func:`jaxbwd.rope`. Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su
     et al. (2021).
 
-    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the result has x's
-    dtype.
+    dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
+    float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
+    and float32 x, float64 for float64 x.
     """
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -355,7 +357,7 @@ class Upsample(nnx.Module, _Impl):
     Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
 
     Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
-    W*sw, C], same dtype.
+    W*sw, C] for ``scale`` (sh, sw) (an int s: sh = sw = s), same dtype.
     """
 
     def __init__(self, scale=2, *, method: str = "nearest", implementation: Optional[str] = None):

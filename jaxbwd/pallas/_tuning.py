@@ -165,9 +165,10 @@ TABLE: dict[str, dict[str, Config]] = {
         # memory in f32 (over the limit: jax.jvp failed to compile) and spilled 224 B in
         # 16-bit on 8 warps. With two stages (the loads are pipelined through shared memory
         # instead of held in registers): 16-bit 64 x 16 on one warpgroup, wgmma without a
-        # replica, 251 registers, no spills (16 x 32 on mma.sync before); f32 16 x 16 on 4
+        # replica, 251 registers, no spills (16 x 32 on mma.sync before, 170 registers, 2
+        # blocks per SM; chosen from the compiled figures, not timed); f32 16 x 16 on 4
         # warps, 197 registers, no spills, 2 blocks per SM (40 B at 8 warps and 1 stage;
-        # every 64-row wgmma tile in f32 spilled 500-1400 B).
+        # every 64-row wgmma tile in f32 spilled 504-4088 B).
         "attention_jvp/h256/16bit": _(64, 16, num_warps=4, num_stages=2),
         "attention_jvp/h256/f32": _(16, 16, num_warps=4, num_stages=2),
         # conv2d: dgrad M = input pixels, N = input channels, K = (tap, output channel);

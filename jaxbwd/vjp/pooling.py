@@ -137,7 +137,7 @@ def _selected(x, y, geom):
             sel, cur = jnp.zeros(y.shape, dt), v
             continue
         # XLA's select_and_scatter rule: move to v unless cur >= v. Without NaNs that is the
-        # first maximum; a NaN is passed over, or taken when it is the current choice.
+        # first maximum; a NaN is taken when reached and left for the element after it.
         take = ~(cur >= v)
         sel, cur = jnp.where(take, jnp.asarray(k, dt), sel), jnp.where(take, v, cur)
     return sel

@@ -308,8 +308,8 @@ _conv2d.deftangent(lambda geo, impl, res, dx, dw: _conv2d.fun(dx, res[1], geo, i
 
 def _conv_padding(op, padding, H, W, eff_h, eff_w, sh, sw):
     """padding (int, pair, ((t, b), (l, r)), "SAME", "VALID"; NumPy integer arrays too) -> ((t, b), (l, r))."""
-    if isinstance(padding, np.ndarray) and padding.ndim in (1, 2):
-        padding = padding.tolist()
+    if isinstance(padding, np.ndarray) and np.issubdtype(padding.dtype, np.integer):
+        padding = padding.tolist()  # 0-d: an int; 1-d: a pair; 2-d: pairs
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID"):
             raise ValueError(f"jaxbwd.{op}: padding must be 'SAME', 'VALID', an int or pairs of ints, got {padding!r}")
