@@ -122,26 +122,23 @@ def _max_pool(x, geom, impl):
 
 def _max_fwd(x, geom, impl):
     y = _max_pool.fun(x, geom, impl)
-    return y, _selected(x, y, geom)
+    return y, _selected(x, geom)
 
 
-def _selected(x, y, geom):
+def _selected(x, geom):
     """The row-major offset of each window's first maximal element, [N, Ho, Wo, C] (int8 for
     windows of up to 127 elements, else int32); with NaNs in a window, the element XLA's
     ``select_and_scatter`` (jax's autodiff of ``lax.reduce_window`` max) selects."""
     window, strides, pads, out, hw = geom
     dt = jnp.int8 if window[0] * window[1] <= 127 else jnp.int32
-    sel = cur = None
-    for k, (_, v) in enumerate(_taps(_pad(x, pads, -jnp.inf), window, strides, out)):
-        if sel is None:
-            sel, cur = jnp.zeros(y.shape, dt), v
-            continue
+    taps = [v for _, v in _taps(_pad(x, pads, -jnp.inf), window, strides, out)]
+    sel, cur = jnp.zeros(taps[0].shape, dt), taps[0]
+    for k, v in enumerate(taps[1:], start=1):
         # XLA's select_and_scatter rule: move to v unless cur >= v. Without NaNs that is the
         # first maximum; a NaN is taken when reached and left for the element after it.
         take = ~(cur >= v)
         sel, cur = jnp.where(take, jnp.asarray(k, dt), sel), jnp.where(take, v, cur)
     return sel
-
 
 def _max_bwd(geom, impl, sel, dy):
     window, strides, pads, out, hw = geom
@@ -294,8 +291,9 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
       implementation: accepted for uniformity; XLA by design (see Backward).
 
     Returns:
-      [N, oh, ow, C] in x's dtype, computed in float32 (float64 for float64 x). Output row i averages input rows
-      ``floor(i H / oh)`` to ``ceil((i + 1) H / oh) - 1`` (likewise for columns).
+      [N, oh, ow, C] in x's dtype, computed in float32 (float64 for float64 x). Output row
+      i averages input rows ``floor(i H / oh)`` to ``ceil((i + 1) H / oh) - 1`` (likewise
+      for columns).
 
     Residuals: none. Backward: ``dx = A_h^T dy A_w`` with the two constant averaging
     matrices, XLA dots (autodiff of the einsum): linear, deterministic, and with windows
