@@ -368,8 +368,10 @@ def plan(signature: str, *args) -> Optional[tuple]:
 
 def per_shard(signature: str, *args) -> bool:
     """Whether ``partitioned`` will run the op per shard (an explicit-axes plan, or any
-    layout under Auto axes, partitioned at compile time)."""
-    return plan(signature, *args) is not None or _auto_mesh() is not None
+    layout under Auto axes, partitioned at compile time); like ``partitioned``, on the
+    operands' own mesh when no mesh is set."""
+    with operands_mesh(*args):
+        return plan(signature, *args) is not None or _auto_mesh() is not None
 
 
 def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = None) -> Any:
@@ -395,7 +397,7 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
         with operands_mesh(*args):
             return partitioned(signature, fn, *args, axes_of=axes_of)
     _refuse_mixed_mesh(signature, args)
-    args, _ = vary_together(args)  # inside a user's vma-checked shard_map
+    args, vma = vary_together(args)  # inside a user's vma-checked shard_map
     layout = _layout(signature, args)
     extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731
     if layout is None:
@@ -410,6 +412,20 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
             # gathered here, explicitly (the only all-gather this module ever adds)
             a = jax.sharding.reshard(a, in_specs[i])
         operands.append(a)
+    mesh = _explicit_mesh()
+    partial = len(_explicit_axes(mesh)) < len(mesh.axis_names)  # inside a user's shard_map
+    if not letters and partial:
+        # Nothing sharded over the axes the user's shard_map left Explicit: nothing to
+        # partition. Not through ``auto_axes``: JAX cannot transpose it inside a partially
+        # manual shard_map. Under vma checking the op runs directly (the transpose of an
+        # unchecked shard_map would return cotangents that no longer vary over the user's
+        # manual axes); otherwise replicated in a shard_map of its own over those axes,
+        # where explicit-mode typing cannot reject its internal steps (Pallas's interpreter).
+        whole = lambda *ops: fn(*_refill(args, present, ops), **extra({}))  # noqa: E731
+        if vma is not None:
+            return whole(*operands)
+        return jax.shard_map(whole, in_specs=tuple(P() for _ in operands), out_specs=P(),
+                             axis_names=_explicit_axes(mesh), check_vma=False)(*operands)
     if not letters:
         # Every operand replicated: no shard to run on. The op runs with the mesh's axes
         # switched to Auto (explicit-mode typing rejects some of its internal steps, e.g.
@@ -424,11 +440,10 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     def body(*local):
         return fn(*_refill(args, present, local), **extra(letters))
 
-    mesh = _explicit_mesh()
     # Inside a user's shard_map over some axes, only the Explicit ones are ours to take;
     # otherwise leave shard_map its default (under a vmap whose mapped dimension is
     # sharded, that default already excludes the axis the batch holds).
-    manual = {"axis_names": _explicit_axes(mesh)} if len(_explicit_axes(mesh)) < len(mesh.axis_names) else {}
+    manual = {"axis_names": _explicit_axes(mesh)} if partial else {}
     return jax.shard_map(
         body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False, **manual,
     )(*operands)

@@ -240,6 +240,10 @@ def _explicit_extras(jax, jnp, np, P, mesh):
     user_sm = jax.shard_map(lambda x, w: jaxbwd.rms_norm(x, w), in_specs=(P("data"), P()), out_specs=P("data"),
                             check_vma=True)
     vm = jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.sin(jaxbwd.rms_norm(x, w))), argnums=(0, 1)), in_axes=(0, None))
+    # manual over "data", x not sharded over the still-explicit "model": the op runs replicated there
+    partial_sm = lambda vma: jax.grad(vma_loss(jax.shard_map(  # noqa: E731
+        lambda x, w: jaxbwd.rms_norm(x, w), in_specs=(P("data"), P()), out_specs=P("data"), axis_names={"data"},
+        check_vma=vma)))
     cases = [  # (name, fn under the mesh, the same on one device, args, specs)
         # vmap over a dimension sharded on "data" around an op sharding its rows on "model"
         ("vmap_sharded_axis_rms_norm", lambda x, w: vm(x, w)[0], lambda x, w: vm(x, w)[0],
@@ -250,12 +254,17 @@ def _explicit_extras(jax, jnp, np, P, mesh):
         ("partial_shard_map_ops",
          jax.shard_map(body, in_specs=(P("data"), P("data"), P("data"), P()), out_specs=P("data"), axis_names={"data"}),
          body, (logits, labels, x, w), (P("data", None, "model"), P("data"), P("data", "model"), P())),
+        ("partial_shard_map_replicated_grad", partial_sm(False), jax.grad(vma_loss(jaxbwd.rms_norm)), (x, w),
+         (P("data"), P())),
+        ("partial_shard_map_replicated_vma_grad", partial_sm(True), jax.grad(vma_loss(jaxbwd.rms_norm)), (x, w),
+         (P("data"), P())),
     ]
     out = []
     for implementation in ("xla", "pallas"):
         with jaxbwd.config.use(implementation=implementation, interpret=True):
             for name, fn, ref, args, specs in cases:
-                if implementation == "pallas" and name.endswith(("grad_grad", "vma_weight_grad", "sharded_axis_rms_norm")):
+                if implementation == "pallas" and name.endswith(("grad_grad", "vma_weight_grad", "vma_grad",
+                                                                 "sharded_axis_rms_norm")):
                     continue  # a kernel backward has no derivative; interpret mode cannot run vma-checked
                     # or a vmap over a sharded axis (JAX's interpreter; GPU untested)
                 want = jax.jit(ref)(*args)
@@ -319,6 +328,7 @@ def test_ops_partition_without_gathering(mesh_name):
     if "x" in mesh_name and not mesh_name.endswith("-auto"):
         extras = {(r["impl"], r["op"]) for r in results}
         assert {("xla", "cross_entropy_vocab_grad_grad"), ("pallas", "partial_shard_map_ops"),
+                ("pallas", "partial_shard_map_replicated_grad"), ("xla", "partial_shard_map_replicated_vma_grad"),
                 ("xla", "user_shard_map_vma_weight_grad"), ("xla", "vmap_sharded_axis_rms_norm")} <= extras
     assert not unsharded, f"outputs lost their sharding: {unsharded}"
     if mesh_name.endswith("-auto") and "x" in mesh_name:
@@ -359,6 +369,15 @@ def test_mixed_meshes_refused_and_operand_meshes_used():
     # matmul's wgrad contracts over the sharded rows: it needs that mesh too
     dw = jax.jit(jax.grad(lambda x, w: jnp.sum(jaxbwd.matmul(x, w)), argnums=1))(x, jnp.ones((8, 3)))
     np.testing.assert_allclose(np.asarray(dw), 4.0)
+    # a reduced loss over sharded rows: per-row losses per shard, then the mean, on that mesh too
+    logits = jnp.arange(32.0).reshape(4, 8) / 7
+    labels = jnp.array([0, 3, -100, 7])
+    for reduction in ("mean", "sum"):
+        want = jax.value_and_grad(lambda l: jaxbwd.cross_entropy(l, labels, reduction=reduction))(logits)
+        got = jax.jit(jax.value_and_grad(lambda l: jaxbwd.cross_entropy(l, labels, reduction=reduction)))(
+            jax.device_put(logits, jax.sharding.NamedSharding(explicit, P("a"))))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=reduction)
 
 
 # ------------------------------------------------ inside a user's vma-checked shard_map
