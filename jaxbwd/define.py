@@ -45,6 +45,7 @@ class Op:
         self.kernels = tuple(kernels) if pallas_backward is not None else ()
         self.check, self.sharding = check, sharding
         self._signature = _signature(forward)
+        self._sharding_inputs = None if sharding is None else _check_sharding(name, sharding, self._signature)
         # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype) as the rules
         # see them (per shard, per vmapped example), to hold the backward's cotangents to.
         op = custom_op(self._primal, nondiff_argnums=(0, 1, 2), name=name)
@@ -67,6 +68,9 @@ class Op:
         run = lambda *a: self._op(params, impl, _avals(a), *a)  # noqa: E731
         if self.sharding is None:
             return run(*arrays)
+        if len(arrays) != self._sharding_inputs:
+            raise TypeError(f"jaxbwd.{self.name}: its sharding signature {self.sharding!r} lays out "
+                            f"{self._sharding_inputs} array argument(s), the call passed {len(arrays)}")
         return S.partitioned(self.sharding, run, *arrays)
 
     # Rules in _derivatives' convention: nondiff (params, impl, avals) first. A user's rule
@@ -81,7 +85,14 @@ class Op:
         if not (isinstance(got, tuple) and len(got) == 2):
             raise TypeError(f"jaxbwd.{self.name}: fwd must return a pair (out, res), got "
                             f"{_describe(got)}")
-        return _one_array(self.name, "fwd's out", got[0]), got[1]
+        out = _one_array(self.name, "fwd's out", got[0])
+        want = self._out_aval(params, avals)
+        if (tuple(out.shape), jnp.dtype(out.dtype)) != want:
+            # the op's value would change when it is differentiated
+            raise TypeError(f"jaxbwd.{self.name}: fwd's out is {_aval_text(out.shape, out.dtype)}, forward's "
+                            f"is {_aval_text(*want)}; they must agree")
+        _check_residuals(self.name, got[1])
+        return out, got[1]
 
     def _bwd(self, params, impl, avals, res, dy):
         if impl.pallas and self.pallas_backward is not None:
@@ -90,9 +101,24 @@ class Op:
             rule, cts = "backward", self.backward(res, dy, **dict(params))
         return _cotangents(self.name, rule, cts, avals)
 
+    def _out_aval(self, params, avals) -> tuple:
+        """(shape, dtype) of ``forward``'s result for arguments of ``avals`` (traced, not run)."""
+        args = [None if a is None else jax.ShapeDtypeStruct(*a) for a in avals]
+        out = jax.eval_shape(lambda *a: self.forward(*a, **dict(params)), *args)
+        return tuple(out.shape), jnp.dtype(out.dtype)
+
     def _tangent(self, params, impl, avals, res, *tangents):
         if self.tangent is not None:
-            return self.tangent(res, tangents, **dict(params))
+            t = self.tangent(res, tangents, **dict(params))
+            shape, dtype = self._out_aval(params, avals)
+            if not isinstance(t, (jax.Array, np.ndarray)) or tuple(t.shape) != shape:
+                got = _aval_text(t.shape, t.dtype) if isinstance(t, (jax.Array, np.ndarray)) else _describe(t)
+                raise TypeError(f"jaxbwd.{self.name}: tangent must return one array of the output's shape "
+                                f"{shape}, got {got}")
+            if not jnp.issubdtype(t.dtype, jnp.inexact):
+                raise TypeError(f"jaxbwd.{self.name}: tangent returned {_aval_text(t.shape, t.dtype)}, "
+                                f"expected a floating array (the output is {dtype.name})")
+            return t.astype(dtype)
         # No fwd rule: the residuals are the inputs, so the JVP of the forward is exact.
         float_idx = [i for i, t in enumerate(tangents) if t is not None]
 
@@ -128,14 +154,35 @@ def _signature(f: Callable) -> Optional[inspect.Signature]:
         return None
 
 
-def _check_signature(name: str, sig: Optional[inspect.Signature], args: Sequence, static: dict) -> None:
-    """A call that the op's forward cannot take fails by the op's name, before any tracing."""
+def _check_signature(name: str, sig: Optional[inspect.Signature], args: Sequence, static: dict,
+                     rule: str = "forward") -> None:
+    """A call that the op's ``rule`` cannot take fails by the op's name, before any tracing."""
     if sig is None:
         return
     try:
         sig.bind(*args, **static)
     except TypeError as e:
-        raise TypeError(f"jaxbwd.{name}: {e}; the op's forward is {name}{sig}") from None
+        label = name if rule == "forward" else rule
+        raise TypeError(f"jaxbwd.{name}: {e}; the op's {rule} is {label}{sig}") from None
+
+
+def _check_sharding(name: str, sharding: Any, sig: Optional[inspect.Signature]) -> int:
+    """The number of array arguments ``sharding`` lays out, checked against the forward."""
+    where = f"jaxbwd.define_op({name!r})"
+    n_in, n_out = S.check_signature(sharding, where)
+    if n_out != 1:
+        raise ValueError(f"{where}: sharding {sharding!r} has {n_out} outputs; an op returns one array")
+    if sig is not None:
+        params = sig.parameters.values()
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = sum(p.default is p.empty for p in positional)
+        most = None if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
+        if n_in < required or (most is not None and n_in > most):
+            takes = (f"at least {required}" if most is None else str(required) if most == required
+                     else f"{required} to {most}")
+            raise ValueError(f"{where}: sharding {sharding!r} lays out {n_in} array argument(s), forward "
+                             f"{name}{sig} takes {takes}")
+    return n_in
 
 
 def _check_hashable(name: str, static: dict) -> tuple:
@@ -146,7 +193,7 @@ def _check_hashable(name: str, static: dict) -> tuple:
         hash(params)
     except TypeError:
         raise TypeError(f"jaxbwd.{name}: static keyword arguments must be hashable (Python numbers, "
-                        f"strings, tuples), got { {k: type(v).__name__ for k, v in static.items()} }") from None
+                        f"strings, tuples), got {dict((k, type(v).__name__) for k, v in static.items())}") from None
     return params
 
 
@@ -170,6 +217,18 @@ def _avals(arrays: Sequence) -> tuple:
     return tuple(None if a is None else (tuple(a.shape), jnp.dtype(a.dtype)) for a in arrays)
 
 
+def _aval_text(shape, dtype) -> str:
+    return f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
+def _check_residuals(name: str, res: Any) -> None:
+    """fwd's residuals: a pytree of arrays (and Python numbers), what JAX can save."""
+    for leaf in jax.tree_util.tree_leaves(res):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+            raise TypeError(f"jaxbwd.{name}: fwd's res must be a pytree of arrays, got a leaf of type "
+                            f"{type(leaf).__name__}")
+
+
 def _one_array(name: str, what: str, out: Any):
     if not isinstance(out, (jax.Array, np.ndarray)):
         raise TypeError(f"jaxbwd.{name}: {what} must return one array, got {_describe(out)}")
@@ -191,6 +250,12 @@ def _cotangents(name: str, rule: str, cts: Any, avals: tuple) -> tuple:
             out.append(None)
             continue
         shape, dtype = aval
+        if not isinstance(ct, (jax.Array, np.ndarray, np.generic, float)):
+            raise TypeError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} must be an array or None, "
+                            f"got {_describe(ct)}")
+        if not jnp.issubdtype(jnp.result_type(ct), jnp.inexact):
+            raise TypeError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} is {jnp.result_type(ct).name}, "
+                            f"expected a floating dtype (the argument is {dtype.name})")
         if tuple(jnp.shape(ct)) != shape:
             raise ValueError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} has shape "
                              f"{tuple(jnp.shape(ct))}, expected {shape} (the argument's shape)")
@@ -227,24 +292,29 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
         JVP of ``forward``; with a ``fwd`` and no ``tangent``, forward mode raises
         ``NotImplementedError`` naming the op.
       check: ``check(*arrays, **static)`` raising ValueError/TypeError on bad input.
-      sharding: an optional signature for ``jaxbwd.sharding.partitioned`` (e.g.
-        ``"...->..."`` for elementwise ops) so that sharded inputs run per shard.
+      sharding: an optional layout signature for ``jaxbwd.sharding.partitioned`` (e.g.
+        ``"...->..."`` for elementwise ops, one input term per array argument, one output)
+        so that sharded inputs run per shard.
 
     Returns:
       An :class:`Op`: ``op(*arrays, implementation=None, **static)``.
 
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; a
-        ``pallas_backward`` without ``kernels``. TypeError: a rule that is not callable;
-        ``kernels`` not a sequence of str.
+        ``pallas_backward`` without ``kernels``; a ``sharding`` that is not a signature, has
+        more than one output, or lays out a number of arguments ``forward`` cannot take.
+        TypeError: a rule that is not callable; ``kernels`` not a sequence of str.
 
     Raises (when called, each naming the op):
-      TypeError: a non-array argument; arguments the forward's signature does not take;
-      unhashable static arguments; a rule returning the wrong form (a forward not returning
-      one array, a ``fwd`` not returning ``(out, res)``, a backward not returning one
-      cotangent per argument). ValueError: an unknown implementation; a cotangent whose
-      shape is not its argument's (cotangents of another float dtype are cast to the
-      argument's). Whatever ``check`` raises.
+      TypeError: a non-array argument; arguments the forward's signature does not take (or,
+      with ``sharding``, another number of arrays than the signature lays out); unhashable
+      static arguments; a rule returning the wrong form: a forward not returning one array,
+      a ``fwd`` not returning ``(out, res)`` with ``out`` of forward's shape and dtype and
+      ``res`` a pytree of arrays, a backward not returning one array (or None) of a float
+      dtype per argument, a tangent not returning one float array of the output's shape.
+      ValueError: an unknown implementation; a cotangent whose shape is not its argument's.
+      Cotangents and tangents of another float dtype are cast to their argument's / the
+      output's. Whatever ``check`` raises.
 
     float64 arguments reach ``pallas_backward`` like any other (jaxbwd's own kernels compute
     in float32 and hand float64 to XLA; a user's kernel is its author's to choose).
@@ -294,11 +364,13 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
         if not callable(f) and not (arg == "kernel_derivative" and f is None):
             raise TypeError(f"jaxbwd.define_elementwise({name!r}): {arg} must be callable, got {type(f).__name__}")
     e = Elementwise(name, forward, derivative, saves=saves, kernel_derivative=kernel_derivative)
-    sig = _signature(forward)
+    rules = (("forward", forward), ("derivative", derivative), ("kernel_derivative", kernel_derivative))
+    sigs = [(rule, _signature(f)) for rule, f in rules if f is not None]
 
     def op(x, *, implementation: Optional[str] = None, **params):
         B.check_float(name, "x", x)
-        _check_signature(name, sig, (x,), params)
+        for rule, sig in sigs:  # every formula is called with the params
+            _check_signature(name, sig, (x,), params, rule)
         _check_hashable(name, params)
         return e.partitioned(x, B.impl(implementation, name, x), **params)
 

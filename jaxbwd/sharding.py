@@ -90,7 +90,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "spec", "matmul_out_spec", "replicated_cotangent",
+__all__ = ["partitioned", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec", "replicated_cotangent",
            "vary_together", "vary_like", "operands_mesh"]
 
 _ELLIPSIS = "."
@@ -108,6 +108,29 @@ def _parse_term(term: str):
 def _parse(signature: str):
     ins, outs = signature.split("->")
     return [_parse_term(t) for t in ins.split(",")], [_parse_term(t) for t in outs.split(",")]
+
+
+def check_signature(signature, where: str) -> tuple[int, int]:
+    """(inputs, outputs) of a layout signature (see the module docstring), checked.
+
+    Raises:
+      ValueError: not ``"terms->terms"`` with each term an optional leading ``...`` and
+        distinct ASCII letters, naming ``where``.
+    """
+    def bad(why):
+        return ValueError(f"{where}: sharding must be a layout signature such as '...D,D->...D' (one letter "
+                          f"per dimension, '...' for leading ones; see jaxbwd.sharding), got {signature!r}: {why}")
+
+    if not isinstance(signature, str) or signature.count("->") != 1:
+        raise bad("expected one '->'")
+    for side in signature.split("->"):
+        for term in side.split(","):
+            term = term.strip()
+            letters = term[3:] if term.startswith("...") else term
+            if not letters.isascii() or not (letters.isalpha() or letters == "") or len(set(letters)) < len(letters):
+                raise bad(f"term {term!r} is not '...' and/or distinct letters")
+    ins, outs = _parse(signature)
+    return len(ins), len(outs)
 
 
 def _mesh():

@@ -120,8 +120,27 @@ def _grad_of(op, **static):
     (lambda: softplus, {"beta": 2.0}, TypeError, r"jaxbwd\.softplus_test: got an unexpected keyword argument 'beta'"),
     (lambda: jaxbwd.define_elementwise("scaled_test", lambda x, a=1.0: a * x, lambda x, a=1.0: a + 0 * x),
      {"a": jnp.array(2.0)}, TypeError, r"jaxbwd\.scaled_test: static keyword arguments must be hashable"),
+    (lambda: jaxbwd.define_elementwise("deriv_kw_test", lambda x, a=1.0: a * x, lambda x: 1.0 + 0 * x),
+     {"a": 2.0}, TypeError, r"jaxbwd\.deriv_kw_test: got an unexpected keyword argument 'a'; "
+                            r"the op's derivative is derivative\(x\)"),
+    # fwd's out must be forward's: else the op's value would change under differentiation
+    (lambda: jaxbwd.define_op("fwd_shape_test", forward=lambda x: 2 * x, fwd=lambda x: ((2 * x)[:2], (x,)),
+                              backward=lambda r, d: (2 * d,)),
+     {}, TypeError, r"jaxbwd\.fwd_shape_test: fwd's out is float32\[2, 8\], forward's is float32\[4, 8\]"),
+    (lambda: jaxbwd.define_op("fwd_dtype_test", forward=lambda x: 2 * x,
+                              fwd=lambda x: ((2 * x).astype(jnp.float16), (x,)), backward=lambda r, d: (2 * d,)),
+     {}, TypeError, r"jaxbwd\.fwd_dtype_test: fwd's out is float16\[4, 8\], forward's is float32\[4, 8\]"),
+    (lambda: jaxbwd.define_op("res_str_test", forward=lambda x: 2 * x, fwd=lambda x: (2 * x, ("x",)),
+                              backward=lambda r, d: (2 * d,)),
+     {}, TypeError, r"jaxbwd\.res_str_test: fwd's res must be a pytree of arrays, got a leaf of type str"),
+    (lambda: jaxbwd.define_op("ct_nested_test", forward=lambda x: 2 * x, backward=lambda r, d: ((d, d),)),
+     {}, TypeError, r"jaxbwd\.ct_nested_test: backward's cotangent for argument 0 must be an array or None, "
+                    r"got a tuple of 2"),
+    (lambda: jaxbwd.define_op("ct_int_test", forward=lambda x: 2 * x, backward=lambda r, d: (d.astype(jnp.int32),)),
+     {}, TypeError, r"jaxbwd\.ct_int_test: backward's cotangent for argument 0 is int32, expected a floating"),
 ], ids=["tuple-forward", "fwd-without-res", "backward-not-a-tuple", "cotangent-shape", "unknown-keyword",
-        "elementwise-unknown-keyword", "elementwise-array-param"])
+        "elementwise-unknown-keyword", "elementwise-array-param", "elementwise-derivative-keyword",
+        "fwd-out-shape", "fwd-out-dtype", "fwd-res-str", "cotangent-nested", "cotangent-int"])
 def test_a_user_rule_of_the_wrong_form_fails_by_the_ops_name(make, static, error, message):
     """Mistakes in a user's rules surface as the op's own error, not as an assertion or a
     shape error deep inside JAX."""
@@ -148,8 +167,47 @@ def test_cotangents_take_their_arguments_dtype():
      r"define_op\('tan_test'\): tangent must be callable or None, got str"),
     (dict(name="k_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels="k_test_bwd"), TypeError,
      r"define_op\('k_test'\): kernels must be a sequence of pallas_call names"),
-], ids=["builtin-name", "not-an-identifier", "forward", "tangent", "kernels-a-string"])
+    (dict(name="sig_test", sharding="garbage"), ValueError,
+     r"define_op\('sig_test'\): sharding must be a layout signature .* got 'garbage': expected one '->'"),
+    (dict(name="sig_term_test", sharding="...D1->...D1"), ValueError,
+     r"define_op\('sig_term_test'\): sharding .* term '...D1' is not"),
+    (dict(name="sig_in_test", sharding="...D,D->...D"), ValueError,
+     r"define_op\('sig_in_test'\): sharding '...D,D->...D' lays out 2 array argument\(s\), forward "
+     r"sig_in_test\(x\) takes 1"),
+    (dict(name="sig_out_test", sharding="...->...,..."), ValueError,
+     r"define_op\('sig_out_test'\): sharding '...->...,...' has 2 outputs"),
+], ids=["builtin-name", "not-an-identifier", "forward", "tangent", "kernels-a-string", "sharding-garbage",
+        "sharding-term", "sharding-inputs", "sharding-outputs"])
 def test_define_op_checks_its_arguments(kwargs, error, message):
     full = dict(forward=lambda x: x, backward=lambda r, d: (d,)) | kwargs
     with pytest.raises(error, match=message):
         jaxbwd.define_op(full.pop("name"), **full)
+
+
+def test_tangent_rule_results_are_held_to_the_output():
+    """A user's tangent rule returning another shape would give jax.jacfwd the wrong
+    Jacobian; it fails by the op's name. Another float dtype is cast, as cotangents are."""
+    x = jnp.linspace(-1.0, 1.0, 5)
+
+    def make(name, tangent):
+        return jaxbwd.define_op(name, forward=jax.nn.softplus, fwd=lambda x: (jax.nn.softplus(x), (jax.nn.sigmoid(x),)),
+                                backward=lambda r, d: (d * r[0],), tangent=tangent)
+
+    with pytest.raises(TypeError, match=r"jaxbwd\.tan_shape_test: tangent must return one array of the output's "
+                                        r"shape \(5,\), got float32\[\]"):
+        jax.jvp(make("tan_shape_test", lambda r, t: jnp.sum(t[0] * r[0])), (x,), (x,))
+    with pytest.raises(TypeError, match=r"jaxbwd\.tan_tuple_test: tangent must return one array .* got a tuple of 1"):
+        jax.jvp(make("tan_tuple_test", lambda r, t: (t[0] * r[0],)), (x,), (x,))
+    op = make("tan_f16_test", lambda r, t: (t[0] * r[0]).astype(jnp.float16))
+    _, t = jax.jvp(op, (x,), (jnp.ones_like(x),))
+    assert t.dtype == jnp.float32
+    jaxbwd.testing.assert_close(jax.jacfwd(op)(x), jax.jacrev(op)(x), 1e-3)
+
+
+def test_sharding_signature_arity_is_checked_per_call():
+    op = jaxbwd.define_op("sig_call_test", forward=lambda x, w=None: x if w is None else x * w,
+                          backward=lambda r, d: (d, None if r[1] is None else d), sharding="...D,D->...D")
+    with pytest.raises(TypeError, match=r"jaxbwd\.sig_call_test: its sharding signature '...D,D->...D' lays out "
+                                        r"2 array argument\(s\), the call passed 1"):
+        op(jnp.ones((2, 3)))
+    jaxbwd.testing.assert_close(op(jnp.ones((2, 3)), jnp.full((3,), 2.0)), jnp.full((2, 3), 2.0), 0.0)
