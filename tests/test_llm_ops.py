@@ -11,6 +11,7 @@ import pytest
 from jaxbwd import config
 from jaxbwd import reference as ref
 from jaxbwd.pallas import _common as pallas_common
+from jaxbwd.vjp._derivatives import FORWARD_MODE
 from jaxbwd.vjp.embedding import embed
 from jaxbwd.vjp.losses import cross_entropy
 from jaxbwd.vjp.rope import rope
@@ -101,6 +102,11 @@ def test_embed_padding_idx(impl):
         np.testing.assert_array_equal(out[0, 0], table[0])  # the padding row is returned as stored
         np.testing.assert_array_equal(g[pad % V], 0.0)
         np.testing.assert_allclose(g, g_r, rtol=1e-6, atol=1e-6)
+        if FORWARD_MODE:  # the padding row gets no tangent either: forward mode agrees with reverse
+            f = lambda t: embed(ids, t, padding_idx=pad, implementation=impl)  # noqa: E731
+            _, t_out = jax.jvp(f, (table,), (jnp.ones_like(table),))
+            np.testing.assert_array_equal(t_out[ids == pad % V], 0.0)
+            np.testing.assert_array_equal(jax.jacfwd(f)(table[:, :2]), jax.jacrev(f)(table[:, :2]))
     assert float(jnp.abs(g[4] - ct[0, 1] - ct[0, 2]).max()) < 1e-6
 
 
@@ -481,8 +487,6 @@ def test_optax_ce_scalar_and_batched(impl):
 def test_optax_ce_gradients(impl):
     x, y = jnp.asarray(_OPTAX_LOGITS), jnp.asarray(_OPTAX_LABELS)
     if impl == "xla":  # numerical derivatives in f32 need the exact (XLA) path
-        from jaxbwd.vjp._derivatives import FORWARD_MODE
-
         modes = ["fwd", "rev"] if FORWARD_MODE else ["rev"]  # forward mode from jax 0.12
         jax.test_util.check_grads(lambda x: _ce(impl)(x, y), (x,), order=1, modes=modes)
     g = jax.grad(lambda x: jnp.sum(_ce(impl)(x, y)))(x)

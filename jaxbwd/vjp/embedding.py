@@ -72,8 +72,19 @@ def _embed_bwd(padding_idx, impl, axes, res, dy):
 
 
 _embed.defvjp(_embed_fwd, _embed_bwd)
-# Linear in the table: the tangent is the lookup of the table's tangent.
-_embed.deftangent(lambda padding_idx, impl, axes, res, _, dtable: _embed.fun(res[0], dtable, padding_idx, impl, axes))
+
+
+def _embed_tangent(padding_idx, impl, axes, res, _, dtable):
+    """Linear in the table: the lookup of the table's tangent, zero where the id is
+    ``padding_idx`` (its row gets no gradient, so no tangent either: jacfwd = jacrev)."""
+    ids = res[0]
+    dy = _embed.fun(ids, dtable, padding_idx, impl, axes)
+    if padding_idx is None:
+        return dy
+    return jnp.where((ids == padding_idx)[..., None], jnp.zeros((), dy.dtype), dy)
+
+
+_embed.deftangent(_embed_tangent)
 
 
 def embed(ids, table, *, padding_idx=None, implementation=None):
