@@ -76,9 +76,14 @@ def tanh(x):
 
 
 def _clamp(gate, up, limit):
+    """``min(gate, limit)``, ``clip(up, -limit, limit)``; a value equal to the limit keeps
+    its derivative, as under torch.clamp (gpt-oss's reference): autodiff of
+    jnp.minimum/clip would halve it there."""
     if limit is None:
         return gate, up
-    return jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    # written as "replace where beyond" so that NaN passes through, as through min/clip
+    g = jnp.where(gate > limit, limit, gate)
+    return g, jnp.where(jnp.abs(up) > limit, jnp.sign(up) * limit, up)
 
 
 def swiglu(gate, up, *, limit=None):

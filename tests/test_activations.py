@@ -106,6 +106,27 @@ def test_limit_zeroes_grads_where_clamped(activation, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_limit_passes_the_derivative_at_the_limit_in_both_modes(impl):
+    """A value equal to the limit keeps its derivative (torch.clamp's rule, gpt-oss's
+    reference), in reverse and forward mode alike; NaN passes the clamp."""
+    gate, up = jnp.array([1.0, 0.5, 1.5, -0.3]), jnp.array([2.0, 1.0, -1.0, 0.2])  # ties: gate[0], up[1], up[2]
+    f = lambda g, u: swiglu(g, u, limit=1.0, implementation=impl)  # noqa: E731
+    # the unclamped op's derivative at the clamped values, zero only strictly beyond the limit
+    plain = lambda g, u: swiglu(g, u, implementation=impl)  # noqa: E731
+    inner = jax.jacrev(plain, (0, 1))(jnp.minimum(gate, 1.0), jnp.clip(up, -1, 1))
+    want = (np.diag(inner[0]) * np.asarray(gate <= 1.0), np.diag(inner[1]) * np.asarray(jnp.abs(up) <= 1.0))
+    for mode in (jax.jacrev, jax.jacfwd):
+        got = mode(f, (0, 1))(gate, up)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.diag(g), w, rtol=1e-6, err_msg=mode.__name__)
+    x = jnp.array([[1.0, 0.5, 2.0, 1.0]])
+    g = lambda x: gated_linear_unit(x, limit=1.0, implementation=impl)  # noqa: E731
+    np.testing.assert_allclose(jax.jacfwd(g)(x), jax.jacrev(g)(x), rtol=1e-6)
+    assert bool(jnp.isnan(f(jnp.array([jnp.nan]), jnp.array([1.0]))[0]))
+    assert bool(jnp.isnan(f(jnp.array([1.0]), jnp.array([jnp.nan]))[0]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_glu_each_activation(activation, dtype, impl):

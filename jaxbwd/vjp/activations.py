@@ -37,9 +37,14 @@ def _act(activation, x):
 
 
 def _clamp(gate, up, limit):
+    """``min(gate, limit)``, ``clip(up, -limit, limit)``; a value equal to the limit keeps
+    its derivative, as under torch.clamp (gpt-oss's reference): autodiff of
+    jnp.minimum/clip would halve it there."""
     if limit is None:
         return gate, up
-    return jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    # written as "replace where beyond" so that NaN passes through, as through min/clip
+    g = jnp.where(gate > limit, limit, gate)
+    return g, jnp.where(jnp.abs(up) > limit, jnp.sign(up) * limit, up)
 
 
 def _check_limit(op, limit):
@@ -262,7 +267,7 @@ def swiglu(gate, up, *, limit=None, implementation=None):
       gate, up: [...] same shape and floating dtype (the two FFN input projections).
       limit: ``None`` or a positive Python number: ``gate = min(gate, limit)`` and
         ``up = clip(up, -limit, limit)`` before the product (gpt-oss uses 7.0). The gradient
-        is 0 where a value was clamped.
+        is 0 where a value was beyond the limit; at the limit it passes, as torch.clamp's.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
