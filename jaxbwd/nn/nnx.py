@@ -281,7 +281,7 @@ class SwiGLUMLP(nnx.Module, _Impl):
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
-    and float32 x, float64 for float64 x.
+    and float32 x, float64 for float64 x (an integer x is promoted too: float32).
     """
 
     def __init__(self, features: int, hidden: int, *, limit: Optional[float] = None, use_bias: bool = False,
@@ -306,7 +306,7 @@ class Attention(nnx.Module, _Impl):
 
     dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
-    and float32 x, float64 for float64 x.
+    and float32 x, float64 for float64 x (an integer x is promoted too: float32).
     """
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
