@@ -70,7 +70,8 @@ class Op:
             return run(*arrays)
         if len(arrays) != self._sharding_inputs:
             raise TypeError(f"jaxbwd.{self.name}: its sharding signature {self.sharding!r} lays out "
-                            f"{self._sharding_inputs} array argument(s), the call passed {len(arrays)}")
+                            f"{self._sharding_inputs} array argument(s), the call passed {len(arrays)} "
+                            "(pass None for an absent optional array)")
         return S.partitioned(self.sharding, run, *arrays)
 
     # Rules in _derivatives' convention: nondiff (params, impl, avals) first. A user's rule
@@ -86,7 +87,7 @@ class Op:
             raise TypeError(f"jaxbwd.{self.name}: fwd must return a pair (out, res), got "
                             f"{_describe(got)}")
         out = _one_array(self.name, "fwd's out", got[0])
-        want = self._out_aval(params, avals)
+        want = self._out_aval(params, arrays)  # the arrays themselves: weak types count
         if (tuple(out.shape), jnp.dtype(out.dtype)) != want:
             # the op's value would change when it is differentiated
             raise TypeError(f"jaxbwd.{self.name}: fwd's out is {_aval_text(out.shape, out.dtype)}, forward's "
@@ -101,20 +102,21 @@ class Op:
             rule, cts = "backward", self.backward(res, dy, **dict(params))
         return _cotangents(self.name, rule, cts, avals)
 
-    def _out_aval(self, params, avals) -> tuple:
-        """(shape, dtype) of ``forward``'s result for arguments of ``avals`` (traced, not run)."""
-        args = [None if a is None else jax.ShapeDtypeStruct(*a) for a in avals]
+    def _out_aval(self, params, args) -> tuple:
+        """(shape, dtype) of ``forward``'s result for ``args`` (arrays or ShapeDtypeStructs;
+        traced, not run)."""
         out = jax.eval_shape(lambda *a: self.forward(*a, **dict(params)), *args)
         return tuple(out.shape), jnp.dtype(out.dtype)
 
     def _tangent(self, params, impl, avals, res, *tangents):
         if self.tangent is not None:
             t = self.tangent(res, tangents, **dict(params))
-            shape, dtype = self._out_aval(params, avals)
+            specs = [None if a is None else jax.ShapeDtypeStruct(a[0], a[1], weak_type=a[2]) for a in avals]
+            shape, dtype = self._out_aval(params, specs)
             if not isinstance(t, (jax.Array, np.ndarray)) or tuple(t.shape) != shape:
                 got = _aval_text(t.shape, t.dtype) if isinstance(t, (jax.Array, np.ndarray)) else _describe(t)
-                raise TypeError(f"jaxbwd.{self.name}: tangent must return one array of the output's shape "
-                                f"{shape}, got {got}")
+                raise TypeError(f"jaxbwd.{self.name}: tangent must return one array of the output's shape, "
+                                f"{_aval_text(shape, dtype)}, got {got}")
             if not jnp.issubdtype(t.dtype, jnp.inexact):
                 raise TypeError(f"jaxbwd.{self.name}: tangent returned {_aval_text(t.shape, t.dtype)}, "
                                 f"expected a floating array (the output is {dtype.name})")
@@ -172,16 +174,12 @@ def _check_sharding(name: str, sharding: Any, sig: Optional[inspect.Signature]) 
     n_in, n_out = S.check_signature(sharding, where)
     if n_out != 1:
         raise ValueError(f"{where}: sharding {sharding!r} has {n_out} outputs; an op returns one array")
-    if sig is not None:
+    if sig is not None:  # only an upper bound: static parameters may also be positional ones
         params = sig.parameters.values()
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        required = sum(p.default is p.empty for p in positional)
-        most = None if any(p.kind == p.VAR_POSITIONAL for p in params) else len(positional)
-        if n_in < required or (most is not None and n_in > most):
-            takes = (f"at least {required}" if most is None else str(required) if most == required
-                     else f"{required} to {most}")
+        if not any(p.kind == p.VAR_POSITIONAL for p in params) and n_in > len(positional):
             raise ValueError(f"{where}: sharding {sharding!r} lays out {n_in} array argument(s), forward "
-                             f"{name}{sig} takes {takes}")
+                             f"{name}{sig} takes at most {len(positional)} positionally")
     return n_in
 
 
@@ -214,7 +212,13 @@ def _describe(v: Any) -> str:
 
 
 def _avals(arrays: Sequence) -> tuple:
-    return tuple(None if a is None else (tuple(a.shape), jnp.dtype(a.dtype)) for a in arrays)
+    """(shape, dtype, weak_type) per argument: weak types decide the dtype of ``forward``'s
+    result (bfloat16 x divided by a Python float stays bfloat16)."""
+    return tuple(None if a is None else (tuple(a.shape), jnp.dtype(a.dtype), _weak(a)) for a in arrays)
+
+
+def _weak(a) -> bool:
+    return bool(getattr(jax.typeof(a), "weak_type", False))
 
 
 def _aval_text(shape, dtype) -> str:
@@ -223,10 +227,10 @@ def _aval_text(shape, dtype) -> str:
 
 def _check_residuals(name: str, res: Any) -> None:
     """fwd's residuals: a pytree of arrays (and Python numbers), what JAX can save."""
-    for leaf in jax.tree_util.tree_leaves(res):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(res)[0]:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
             raise TypeError(f"jaxbwd.{name}: fwd's res must be a pytree of arrays, got a leaf of type "
-                            f"{type(leaf).__name__}")
+                            f"{type(leaf).__name__} at res{jax.tree_util.keystr(path)}")
 
 
 def _one_array(name: str, what: str, out: Any):
@@ -249,11 +253,11 @@ def _cotangents(name: str, rule: str, cts: Any, avals: tuple) -> tuple:
         if ct is None or aval is None or not jnp.issubdtype(aval[1], jnp.inexact):
             out.append(None)
             continue
-        shape, dtype = aval
-        if not isinstance(ct, (jax.Array, np.ndarray, np.generic, float)):
+        shape, dtype = aval[:2]
+        if not isinstance(ct, (jax.Array, np.ndarray, np.generic, bool, int, float)):
             raise TypeError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} must be an array or None, "
                             f"got {_describe(ct)}")
-        if not jnp.issubdtype(jnp.result_type(ct), jnp.inexact):
+        if not isinstance(ct, (bool, int, float)) and not jnp.issubdtype(jnp.result_type(ct), jnp.inexact):
             raise TypeError(f"jaxbwd.{name}: {rule}'s cotangent for argument {i} is {jnp.result_type(ct).name}, "
                             f"expected a floating dtype (the argument is {dtype.name})")
         if tuple(jnp.shape(ct)) != shape:
@@ -294,7 +298,8 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
       check: ``check(*arrays, **static)`` raising ValueError/TypeError on bad input.
       sharding: an optional layout signature for ``jaxbwd.sharding.partitioned`` (e.g.
         ``"...->..."`` for elementwise ops, one input term per array argument, one output)
-        so that sharded inputs run per shard.
+        so that sharded inputs run per shard. Calls then pass every array argument it lays
+        out, positionally (None for an absent optional one).
 
     Returns:
       An :class:`Op`: ``op(*arrays, implementation=None, **static)``.
@@ -352,8 +357,8 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
 
     Returns:
       ``op(x, *, implementation=None, **params)`` with ``op.kernels = ("<name>_bwd",)``;
-      it raises TypeError naming the op for a non-floating x, params that ``forward`` does
-      not take, or unhashable params.
+      it raises TypeError naming the op for a non-floating x, params that ``forward``,
+      ``derivative`` or ``kernel_derivative`` does not take, or unhashable params.
 
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is

@@ -35,8 +35,10 @@ Design notes:
 * Without a mesh, or with all axes Manual (inside a user's shard_map over every axis),
   ``partitioned`` calls the op unchanged. Inside a user's shard_map over some axes of an
   explicit mesh, the op partitions over the remaining Explicit axes (a nested shard_map
-  over just those). With every operand replicated under explicit axes it runs the op
-  whole under ``jax.sharding.auto_axes``. A mesh mixing Explicit and Auto axes with an
+  over just those; when no operand is sharded over them, the op runs directly under vma
+  checking, else in a nested shard_map with every operand replicated). With every operand
+  replicated under explicit axes (no user shard_map) it runs the op whole under
+  ``jax.sharding.auto_axes``. A mesh mixing Explicit and Auto axes with an
   operand sharded is refused with a ValueError: neither path applies there. Auto axes
   beside Manual ones (a user's shard_map over part of an Auto mesh) are not partitioned:
   the op runs unchanged and XLA handles it as it would any call.
@@ -127,8 +129,9 @@ def check_signature(signature, where: str) -> tuple[int, int]:
         for term in side.split(","):
             term = term.strip()
             letters = term[3:] if term.startswith("...") else term
-            if not letters.isascii() or not (letters.isalpha() or letters == "") or len(set(letters)) < len(letters):
-                raise bad(f"term {term!r} is not '...' and/or distinct letters")
+            lower = [c for c in letters if c.islower()]  # split dims: one mesh axis each
+            if not letters.isascii() or not (letters.isalpha() or letters == "") or len(set(lower)) < len(lower):
+                raise bad(f"term {term!r} is not '...' and/or letters (lower-case ones distinct)")
     ins, outs = _parse(signature)
     return len(ins), len(outs)
 

@@ -174,7 +174,7 @@ def test_cotangents_take_their_arguments_dtype():
      r"define_op\('sig_term_test'\): sharding .* term '...D1' is not"),
     (dict(name="sig_in_test", sharding="...D,D->...D"), ValueError,
      r"define_op\('sig_in_test'\): sharding '...D,D->...D' lays out 2 array argument\(s\), forward "
-     r"sig_in_test\(x\) takes 1"),
+     r"sig_in_test\(x\) takes at most 1 positionally"),
     (dict(name="sig_out_test", sharding="...->...,..."), ValueError,
      r"define_op\('sig_out_test'\): sharding '...->...,...' has 2 outputs"),
 ], ids=["builtin-name", "not-an-identifier", "forward", "tangent", "kernels-a-string", "sharding-garbage",
@@ -196,7 +196,7 @@ def test_tangent_rule_results_are_held_to_the_output():
                                 backward=lambda r, d: (d * r[0],), tangent=tangent)
 
     with pytest.raises(TypeError, match=r"jaxbwd\.tan_shape_test: tangent must return one array of the output's "
-                                        r"shape \(5,\), got float32\[\]"):
+                                        r"shape, float32\[5\], got float32\[\]"):
         jax.jvp(make("tan_shape_test", lambda r, t: jnp.sum(t[0] * r[0])), (x,), (x,))
     with pytest.raises(TypeError, match=r"jaxbwd\.tan_tuple_test: tangent must return one array .* got a tuple of 1"):
         jax.jvp(make("tan_tuple_test", lambda r, t: (t[0] * r[0],)), (x,), (x,))
@@ -213,3 +213,24 @@ def test_sharding_signature_arity_is_checked_per_call():
                                         r"2 array argument\(s\), the call passed 1"):
         op(jnp.ones((2, 3)))
     jaxbwd.testing.assert_close(op(jnp.ones((2, 3)), jnp.full((3,), 2.0)), jnp.full((2, 3), 2.0), 0.0)
+
+
+def test_rules_of_ordinary_user_ops_pass_the_form_checks():
+    """What the form checks must let through: a weak-typed Python scalar argument (bf16 x
+    / 2.0 stays bf16), a static parameter of the forward's positional ones given by keyword
+    with a sharding signature, a repeated upper-case (gathered) letter, and a Python 0 as a
+    cotangent."""
+    div = jaxbwd.define_op("weak_div_test", forward=lambda x, t: x / t, fwd=lambda x, t: (x / t, (t,)),
+                           backward=lambda r, d: (d / r[0], 0))
+    x = jnp.ones((4,), jnp.bfloat16)
+    g = jax.jit(jax.grad(lambda x, t: jnp.sum(div(x, t).astype(jnp.float32))))(x, 2.0)
+    assert g.dtype == jnp.bfloat16
+    jaxbwd.testing.assert_close(g, jnp.full((4,), 0.5), 0.0)
+    norm = jaxbwd.define_op("eps_kw_test", forward=lambda x, w, eps: x * w / (1 + eps),
+                            backward=lambda r, d, eps: (d * r[1] / (1 + eps), jnp.sum(d * r[0], 0) / (1 + eps)),
+                            sharding="...D,D->...D")
+    jaxbwd.testing.assert_close(norm(jnp.ones((2, 3)), jnp.ones((3,)), eps=1.0), jnp.full((2, 3), 0.5), 0.0)
+    sq = jaxbwd.define_op("square_mat_test", forward=lambda a: a @ a, backward=lambda r, d: (d @ r[0].mT + r[0].mT @ d,),
+                          sharding="...NN->...NN")
+    a = jnp.arange(8.0).reshape(2, 2, 2)
+    jaxbwd.testing.assert_close(jax.grad(lambda a: jnp.sum(sq(a)))(a), jax.grad(lambda a: jnp.sum(a @ a))(a), 1e-6)
