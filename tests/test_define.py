@@ -230,7 +230,7 @@ def test_rules_of_ordinary_user_ops_pass_the_form_checks():
                             backward=lambda r, d, eps: (d * r[1] / (1 + eps), jnp.sum(d * r[0], 0) / (1 + eps)),
                             sharding="...D,D->...D")
     jaxbwd.testing.assert_close(norm(jnp.ones((2, 3)), jnp.ones((3,)), eps=1.0), jnp.full((2, 3), 0.5), 0.0)
-    sq = jaxbwd.define_op("square_mat_test", forward=lambda a: a @ a, backward=lambda r, d: (d @ r[0].mT + r[0].mT @ d,),
-                          sharding="...NN->...NN")
+    sq = jaxbwd.define_op("square_mat_test", forward=lambda a: a @ a, sharding="...NN->...NN",
+                          backward=lambda r, d: (d @ r[0].mT + r[0].mT @ d,))
     a = jnp.arange(8.0).reshape(2, 2, 2)
     jaxbwd.testing.assert_close(jax.grad(lambda a: jnp.sum(sq(a)))(a), jax.grad(lambda a: jnp.sum(a @ a))(a), 1e-6)
