@@ -46,7 +46,7 @@ class Op:
         self.check, self.sharding = check, sharding
         self._signature = _signature(forward)
         self._sharding_inputs = None if sharding is None else _check_sharding(name, sharding, self._signature)
-        # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype) as the rules
+        # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype, weak_type) as the rules
         # see them (per shard, per vmapped example), to hold the backward's cotangents to.
         op = custom_op(self._primal, nondiff_argnums=(0, 1, 2), name=name)
         op.defvjp(self._fwd, self._bwd)

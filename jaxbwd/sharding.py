@@ -92,8 +92,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec", "replicated_cotangent",
-           "vary_together", "vary_like", "operands_mesh"]
+__all__ = ["partitioned", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec",
+           "replicated_cotangent", "vary_together", "vary_like", "operands_mesh"]
 
 _ELLIPSIS = "."
 
@@ -117,7 +117,7 @@ def check_signature(signature, where: str) -> tuple[int, int]:
 
     Raises:
       ValueError: not ``"terms->terms"`` with each term an optional leading ``...`` and
-        distinct ASCII letters, naming ``where``.
+        ASCII letters (no lower-case letter twice in a term), naming ``where``.
     """
     def bad(why):
         return ValueError(f"{where}: sharding must be a layout signature such as '...D,D->...D' (one letter "
