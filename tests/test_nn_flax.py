@@ -728,14 +728,17 @@ def test_attention_fns_with_no_keys_give_flax_zeros():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_batch_norm_grad_through_a_named_vmap(impl):
     """BatchNorm(axis_name=...) under vmap(axis_name=...) and grad, flax's multi-replica
-    pattern: the batched backward's shape probe traced the collective outside the axis."""
+    pattern: the batched backward's shape probe traced the collective outside the axis.
+    Each member has its own scale and bias (an ensemble): the input gradient averages
+    w * dy over the members, not dy alone."""
     x = _rand((4, 3, 8))
 
     def grads(m):
         v = jax.vmap(lambda a: m.init(jax.random.PRNGKey(0), a), axis_name="d")(x)
-        loss = lambda p: jnp.sum(jnp.sin(jax.vmap(  # noqa: E731
+        params = jax.tree_util.tree_map(lambda a: a + 0.3 * _rand(a.shape, seed=1), v["params"])
+        loss = lambda p, x: jnp.sum(jnp.sin(jax.vmap(  # noqa: E731
             lambda vv, a: m.apply(vv, a, mutable=["batch_stats"])[0], axis_name="d")({**v, "params": p}, x)))
-        return jax.grad(loss)(v["params"])
+        return jax.grad(loss, argnums=(0, 1))(params, x)
 
     chex.assert_trees_all_close(grads(jnn.BatchNorm(use_running_average=False, axis_name="d", implementation=impl)),
                                 grads(fnn.BatchNorm(use_running_average=False, axis_name="d")), atol=1e-5, rtol=1e-5)

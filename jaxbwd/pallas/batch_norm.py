@@ -74,19 +74,19 @@ def reduce_sums(x, dy, mean, rstd, *, interpret: bool = False):
     return sdy.sum(axis=0), sdyx.sum(axis=0)
 
 
-def _dx_kernel(x_ref, dy_ref, mean_ref, rstd_ref, wr_ref, mdy_ref, mdyx_ref, dx_ref, *, t: C.RowTiling):
+def _dx_kernel(x_ref, dy_ref, mean_ref, rstd_ref, wr_ref, c1_ref, c2_ref, dx_ref, *, t: C.RowTiling):
     rows, cols, mask = C.tile_index(pl.program_id(0), pl.program_id(1), t)
     cmask = cols < t.n_cols
     vec = lambda r: C.load(r, cols, cmask)[None, :]  # noqa: E731
     x = C.load_tile(x_ref, rows, cols, mask)
     dy = C.load_tile(dy_ref, rows, cols, mask)
     xhat = (x - vec(mean_ref)) * vec(rstd_ref)
-    dx = vec(wr_ref) * (dy - vec(mdy_ref) - xhat * vec(mdyx_ref))
+    dx = vec(wr_ref) * dy - vec(c1_ref) - xhat * vec(c2_ref)
     C.store_tile(dx_ref, rows, cols, dx, mask)
 
 
-def dx(x, dy, mean, rstd, w_rstd, mean_dy, mean_dyx, *, interpret: bool = False):
-    """``dx = w_rstd * (dy - mean_dy - x_hat * mean_dyx)`` over x, dy [R, C]; vectors [C] f32.
+def dx(x, dy, mean, rstd, w_rstd, c1, c2, *, interpret: bool = False):
+    """``dx = w_rstd * dy - c1 - x_hat * c2`` over x, dy [R, C]; vectors [C] f32.
     Returns dx [R, C] in x's dtype."""
     R, Cc = x.shape
     t = E.tiling(R, Cc)
@@ -95,4 +95,4 @@ def dx(x, dy, mean, rstd, w_rstd, mean_dy, mean_dyx, *, interpret: bool = False)
         grid=(t.num_row_blocks, t.num_col_blocks), out_shape=jax.ShapeDtypeStruct((R, Cc), x.dtype),
         interpret=interpret, num_warps=t.num_warps, flops=6 * R * Cc,
         bytes_accessed=2 * C.nbytes(x) + C.nbytes(dy) + 20 * Cc,
-    )(x, dy, mean, rstd, w_rstd, mean_dy, mean_dyx)
+    )(x, dy, mean, rstd, w_rstd, c1, c2)

@@ -6,8 +6,8 @@ Forward (XLA): per-channel f32 mean and variance over the rows of x viewed as [R
 statistics are updated from the same batch statistics (the same reduction, outside the
 op; under jit XLA computes it once). Saved for the backward: x, weight (aliases) and f32 mean/rstd [C].
 Backward: the two Pallas kernels of ``jaxbwd/pallas/batch_norm.py`` (per-channel sums,
-then dx) or the same formulas in XLA; with ``axis_name`` the two sums are averaged over
-the devices between the passes.
+then dx) or the same formulas in XLA; with ``axis_name`` the two sums, times each
+device's weight, are averaged over the devices between the passes.
 """
 from __future__ import annotations
 
@@ -64,15 +64,18 @@ def _bn_bwd(eps, axis_name, impl, res, dy):
     else:
         xhat = (_cf(x) - mean) * rstd
         sdy, sdyx = jnp.sum(_cf(dy), axis=0), jnp.sum(_cf(dy) * xhat, axis=0)
-    # dx needs the means over every row of every device; dweight/dbias stay per device
-    # (summed by the data-parallel step like any other parameter gradient).
-    mdy, mdyx = _pmean(sdy / R, axis_name), _pmean(sdyx / R, axis_name)
-    w_rstd = _cf(w) * rstd
+    # dx needs the means of w * dy and w * dy * x_hat over every row of every device: w
+    # inside the mean, since under a vmap (an ensemble) or in a shard_map with unreplicated
+    # parameters each member has its own. dweight/dbias stay per device (summed by the
+    # data-parallel step like any other parameter gradient).
+    wf = _cf(w)
+    c1, c2 = (rstd * _pmean(wf * s / R, axis_name) for s in (sdy, sdyx))
+    w_rstd = wf * rstd
     if impl.pallas:
-        dx = kernels.dx(x, dy, mean, rstd, w_rstd, mdy, mdyx, interpret=impl.interpret)
+        dx = kernels.dx(x, dy, mean, rstd, w_rstd, c1, c2, interpret=impl.interpret)
     else:
         xhat = (_cf(x) - mean) * rstd
-        dx = (w_rstd * (_cf(dy) - mdy - xhat * mdyx)).astype(x.dtype)
+        dx = (w_rstd * _cf(dy) - c1 - xhat * c2).astype(x.dtype)
     return dx, sdyx.astype(w.dtype), sdy.astype(w.dtype)
 
 
