@@ -74,8 +74,9 @@ class LayerNorm(_Impl, fnn.LayerNorm):
     axis, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``, ``epsilon > 0``;
     ``use_scale``/``use_bias=False`` run with a unit weight / zero bias. ``use_fast_variance``:
     both settings take the kernel, which always computes the variance in two passes over a
-    float32 row (flax's slow, accurate form; the fast form is only a cheaper formula for the
-    same quantity). dtype as :class:`RMSNorm`. Any other configuration runs flax's code.
+    float32 row (flax's slow, accurate form; the fast form is a cheaper formula for the same
+    quantity, which loses accuracy where the mean is large against the spread: there the
+    results match ``use_fast_variance=False``, not flax's default). dtype as :class:`RMSNorm`. Any other configuration runs flax's code.
     Call: x [..., D] -> same shape. Source: Ba et al. (2016).
 
     Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
