@@ -140,6 +140,7 @@ def _selected(x, geom):
         sel, cur = jnp.where(take, jnp.asarray(k, dt), sel), jnp.where(take, v, cur)
     return sel
 
+
 def _max_bwd(geom, impl, sel, dy):
     window, strides, pads, out, hw = geom
     if impl.pallas:
