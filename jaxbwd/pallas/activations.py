@@ -41,7 +41,7 @@ _INV_SQRT_2 = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 # Approximate flops and transcendentals per element of each backward, for cost estimates.
-BWD_COST = {"silu": (8, 1), "gelu": (16, 1), "gelu_exact": (24, 2), "relu": (2, 0), "leaky_relu": (2, 0),
+BWD_COST = {"silu": (8, 1), "gelu": (16, 1), "gelu_exact": (30, 2), "relu": (2, 0), "leaky_relu": (2, 0),
          "sigmoid": (3, 0), "tanh": (3, 0)}
 _GATED_EXTRA_FLOPS = 6  # the product rule and the clamp masks
 
@@ -67,7 +67,7 @@ def silu_and_grad(x):
     return x * s, s * (1.0 + x * one_minus_s)
 
 
-def gelu_and_grad(x, *, approximate: bool, erf: Callable = C.erf):
+def gelu_and_grad(x, *, approximate: bool, erfc: Callable = C.erfc):
     """GELU and its derivative.
 
     Tanh form (``approximate``): ``(1 + tanh(u)) / 2 = sigmoid(2u)``, so with
@@ -77,17 +77,19 @@ def gelu_and_grad(x, *, approximate: bool, erf: Callable = C.erf):
     1e-6 absolute there); ``x * s(1 - s)`` is formed first so it is exactly 0, not 0 * inf,
     for large ``|x|``.
 
-    Exact form: ``gelu = x * Phi(x)``, ``gelu' = Phi(x) + x * phi(x)``. ``erf`` is a
-    parameter because Triton has no erf that Pallas lowers: kernels use ``C.erf``, the
-    XLA rule passes ``jax.lax.erf``.
+    Exact form: ``gelu = x * Phi(x)``, ``gelu' = Phi(x) + x * phi(x)``, with
+    ``Phi(x) = erfc(-x / sqrt(2)) / 2`` (as ``jax.nn.gelu``): ``(1 + erf) / 2`` would cancel to
+    0 for x << 0, losing ``Phi``'s share of ``gelu'`` (3% at x = -6). ``erfc`` is a parameter
+    because Triton has no erfc that Pallas lowers: kernels use ``C.erfc``, the XLA rule passes
+    ``jax.lax.erfc``.
     """
     if approximate:
         u = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * (x * x * x))
         s, one_minus_s = _sigmoid_pair(2.0 * u)
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * (x * x))
         return x * s, s + 2.0 * (x * (s * one_minus_s)) * du
-    cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
-    return x * cdf, cdf + x * (_INV_SQRT_2PI * jnp.exp(-0.5 * (x * x)))
+    cdf = 0.5 * erfc(-x * _INV_SQRT_2)
+    return x * cdf, cdf + x * (_INV_SQRT_2PI * C.exp(-0.5 * (x * x)))
 
 
 def relu_grad(y):
@@ -113,14 +115,14 @@ def tanh_grad(y):
     return 1.0 - y * y
 
 
-def activation_and_grad(activation: str, x, *, erf: Callable = C.erf):
+def activation_and_grad(activation: str, x, *, erfc: Callable = C.erfc):
     """``act(x)`` and ``act'(x)`` for ``activation`` in ``ACTIVATIONS``."""
     if activation == "silu":
         return silu_and_grad(x)
-    return gelu_and_grad(x, approximate=activation == "gelu", erf=erf)
+    return gelu_and_grad(x, approximate=activation == "gelu", erfc=erfc)
 
 
-def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erf: Callable = C.erf):
+def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erfc: Callable = C.erfc):
     """dgate and dup of ``act(g) * u`` with ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``.
 
     The clamp is gpt-oss's. Its gradient is 0 where a value was clamped and 1 at and
@@ -129,7 +131,7 @@ def gated_grads(gate, up, dy, *, activation: str, limit: Optional[float], erf: C
     g, u = gate, up
     if limit is not None:
         g, u = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    a, da = activation_and_grad(activation, g, erf=erf)
+    a, da = activation_and_grad(activation, g, erfc=erfc)
     dgate, dup = dy * u * da, dy * a
     if limit is not None:
         dgate = jnp.where(gate <= limit, dgate, 0.0)
