@@ -461,6 +461,7 @@ def _nbytes(aval) -> int:
 def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
     """Every ``pallas_call`` in a (closed) jaxpr, nested jaxprs included: its name, grid,
     cost estimate and minimum bytes (operands read once, results written once)."""
+    import jax
     from jax.extend import core as jex_core
 
     found = []
@@ -480,6 +481,14 @@ def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
                     "io_bytes": sum(_nbytes(v.aval) for v in eqn.invars) + sum(_nbytes(v.aval) for v in eqn.outvars),
                     "metadata": dict(p.get("metadata") or {}),
                 })
+            prim = eqn.params.get("_prim")
+            if hasattr(prim, "expand") and hasattr(prim, "in_tree"):
+                # A hijax primitive (jaxbwd's ops under forward mode: _Fwd, _Tangent) keeps its
+                # kernels in its expansion, which the jaxpr does not show.
+                # Shapes and dtypes only: the avals' mesh is the trace's, not the one in context.
+                leaves = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+                args = jax.tree_util.tree_unflatten(prim.in_tree, leaves)
+                walk(jax.make_jaxpr(prim.expand)(*args).jaxpr)
             for v in eqn.params.values():
                 for sub in v if isinstance(v, (tuple, list)) else (v,):
                     if isinstance(sub, jex_core.ClosedJaxpr):

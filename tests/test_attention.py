@@ -149,6 +149,34 @@ def test_jvp_kernel_default_blocks_multi_tile(dtype):
     _close(tangent, want_t, TOL[dtype])
 
 
+@pytest.mark.skipif(not FORWARD_MODE, reason="forward mode needs jax >= 0.12")
+def test_grad_through_a_jvp_runs_the_backward_kernels():
+    # MeanFlow / consistency-model training: u, du = jvp(model, ...), loss on u with du under
+    # stop_gradient, grad over the parameters. That grad reaches the op through its jvp's
+    # primal side; it must run the backward kernels on the residuals (no T x S array), and
+    # grad with respect to the jvp's input tangent the same (the tangent map's transpose).
+    T = 40
+    q, k, v, t = _inputs(1, T, T, 2, 1, 16)
+    f = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="pallas")
+    g = lambda q, k, v: ref.dot_product_attention(q, k, v, is_causal=True)
+
+    def meanflow(fn):
+        def loss(q, k, v):
+            u, du = jax.jvp(lambda q: fn(q, k, v), (q,), (t,))
+            return jnp.sum(jnp.sin(u) * jax.lax.stop_gradient(du))
+        return loss
+
+    def tangent_loss(fn):
+        return lambda t: jnp.sum(jax.jvp(lambda q: fn(q, k, v), (q,), (t,))[1] ** 2)
+
+    for loss, args in [(meanflow, (q, k, v)), (tangent_loss, (t,))]:
+        argnums = tuple(range(len(args)))
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss(f), argnums))(*args))
+        assert "attention_bwd_dq" in jaxpr and "attention_bwd_dkdv" in jaxpr
+        assert f"{T},{T}]" not in jaxpr  # no [.., T, S] probabilities
+        _close(jax.jit(jax.grad(loss(f), argnums))(*args), jax.grad(loss(g), argnums)(*args), 1e-5)
+
+
 @pytest.mark.parametrize("H,blocks", [(64, (32, 16)), (80, (16, 32)), (96, (32, 16)), (128, (16, 32)),
                                       (192, (32, 16)), (256, (16, 16))])
 def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):

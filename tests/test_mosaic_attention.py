@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import test_attention as TA  # the attention contract's cases and checker
-from jaxbwd import config
+from jaxbwd import config, deviceless
 from jaxbwd.pallas import attention as PA
 from jaxbwd.pallas.mosaic import attention as MA
 from jaxbwd.vjp.attention import dot_product_attention
@@ -273,8 +273,16 @@ def test_forward_mode_tangent_from_mosaic_residuals():
     tq, tk, tv, _ = TA._inputs(1, 12, 12, 4, 2, 16, "bfloat16", seed=1)
     f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
     with config.use(pallas_backend="mosaic"):
-        found = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, tq, tk, tv))))
-        assert "attention_fwd_mosaic" in found and "attention_fwd" not in found
+        # The kernels sit inside the op's forward-mode primitives (_Fwd, _Tangent), whose
+        # expansions the printed jaxpr does not show: trace those too.
+        jaxpr = jax.make_jaxpr(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, tq, tk, tv)
+        text = str(jaxpr)
+        for eqn in jaxpr.jaxpr.eqns:
+            if (prim := eqn.params.get("_prim")) is not None:
+                args = jax.tree_util.tree_unflatten(prim.in_tree, [x.aval for x in eqn.invars])
+                text += str(jax.make_jaxpr(prim.expand)(*args))
+        found = set(re.findall(r"name=(\w+)", text))
+        assert "attention_fwd_mosaic" in found and "attention_jvp" in found and "attention_fwd" not in found
         out, tangent = jax.jit(lambda *a: jax.jvp(f, a[:3], a[3:]))(q, k, v, tq, tk, tv)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
     want, want_t = jax.jvp(lambda q, k, v: TA.ref.dot_product_attention(q, k, v, **kw), f32(q, k, v), f32(tq, tk, tv))
@@ -292,7 +300,6 @@ def test_compile_instrument_reads_mosaic_dumps(tmp_path):
     (tmp_path / "attention_fwd_mosaic_0.ptx").write_text(
         ".maxntid 384, 1, 1\nwgmma.mma_async.sync\nwgmma.mma_async.sync\nex2.approx.ftz.f32\n")
     (tmp_path / "attention_fwd_mosaic_1.resources.txt").write_text("Resources(smem_scratch_bytes=101376, tmem=0)")
-    from jaxbwd import deviceless
 
     (row,) = deviceless.mosaic_rows(str(tmp_path))
     assert row == {"kernel": "attention_fwd_mosaic", "registers": 150, "stack": 16, "spill_stores": 12,
@@ -304,7 +311,6 @@ def test_compile_instrument_reads_mosaic_dumps(tmp_path):
 def test_compile_instrument_traces_shapes_without_interpreter_threads(monkeypatch):
     # The instrument traces each case once for shapes in interpret mode; nothing runs, so a
     # small CPU pool must not stop `JAXBWD_PALLAS_BACKEND=mosaic python -m jaxbwd compile`.
-    from jaxbwd import deviceless
     from jaxbwd.pallas.mosaic import _mgpu
 
     monkeypatch.setattr(_mgpu, "cpu_pool_threads", lambda: 2)
@@ -319,7 +325,6 @@ def test_compile_instrument_traces_shapes_without_interpreter_threads(monkeypatc
 def test_compile_instrument_counts_split_dk_dv_kernels():
     # `python -m jaxbwd compile` checks that every registry kernel was compiled; above head
     # dim 128 the Mosaic dk and dv kernels together stand for attention_bwd_dkdv.
-    from jaxbwd import deviceless
 
     (c,) = [c for c in deviceless.cases(["dot_product_attention"], dtypes=("bfloat16",), gpus=("h200",))
             if "x256" in c.shape_name and c.mode == "vjp"]
@@ -335,7 +340,6 @@ def test_mosaic_kernels_compile_for_h200(monkeypatch):
     # Lowering runs Mosaic's compiler (PTX, then ptxas for sm_90a) on this CPU machine: every
     # kernel at the registry's head dim 128 and 256 shapes compiles, uses wgmma and fits
     # shared memory; none spills at 128.
-    from jaxbwd import deviceless
 
     missing = deviceless.missing_requirements()
     if missing:

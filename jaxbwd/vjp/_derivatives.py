@@ -19,15 +19,20 @@ its Pallas backward kernels) and also run under ``jax.jvp``, ``jax.linearize``,
   (the op's fwd and bwd rules, unchanged), ``jvp``, ``transpose`` and ``batch``. That is
   what is used here.
 
-Two primitives per op application:
+Three primitives per op application:
 
 * ``_Op`` (the op). ``grad``/``vjp`` call its fwd rule (the residuals the op declares) and
   its bwd rule (the Pallas kernels or the XLA formula). ``jvp``/``linearize`` run the fwd
-  rule and apply ``_Tangent`` to the residuals and input tangents.
+  rule as ``_Fwd`` and apply ``_Tangent`` to the residuals and input tangents.
+* ``_Fwd`` (the fwd rule, ``(out, res)``): its VJP is the bwd rule while only ``out`` gets a
+  cotangent, so ``grad`` of a JVP's primal output (MeanFlow, consistency models) runs the
+  backward kernels; with cotangents on ``res`` too (second order) it is the fwd formula's.
 * ``_Tangent`` (the op's linearisation at the saved residuals): evaluated forward it is the
   op's tangent formula; transposed it is the op's bwd rule, so reverse mode taken through
-  a JVP (``lax.scan``/``cond``/``remat`` linearise their bodies that way) still runs the
-  backward kernels on the same residuals; its own JVP is the JVP of the tangent formula.
+  a JVP (``lax.scan``/``cond``/``remat`` linearise their bodies that way, and ``grad`` with
+  respect to a ``jvp``'s input tangent) still runs the backward kernels on the same
+  residuals. Its JVP is itself along the input tangents (so that transposes the same way)
+  plus the JVP of the tangent formula along the residuals.
 
 Both batch by vmapping their rules (``vmap`` of ``grad``, ``jacfwd``, per-example
 gradients), with unbatched residuals (a shared weight) left unbatched.
@@ -166,6 +171,15 @@ if _HAVE_HIJAX:
             return jnp.zeros(x.aval.shape, x.aval.dtype)
         return x
 
+    def _is_zero(x):
+        return isinstance(x, _Zero)
+
+    def _all_zero(tree) -> bool:
+        return all(_is_zero(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_zero))
+
+    def _inst_tree(tree):
+        return jax.tree_util.tree_map(_inst, tree, is_leaf=_is_zero)
+
     def _batched_rules(rules: _Rules, axis_data, dims: tuple) -> _Rules:
         """The rules of the op vmapped over ``dims`` (outputs batched at 0)."""
         vr = _hijax.vmap_rule
@@ -216,9 +230,21 @@ if _HAVE_HIJAX:
                     acc.accum(S.typed_like(ct, aval))
 
         def jvp(self, primals, tangents):
+            # Linear in ts: along dts the JVP is this map again (so reverse mode taken through
+            # it, e.g. grad with respect to a jvp's input tangent, transposes it into the bwd
+            # rule's kernels); along dres it is the JVP of the tangent formula (second order).
             res, ts = primals
-            dres, dts = jax.tree_util.tree_map(_inst, tangents, is_leaf=lambda x: isinstance(x, _Zero))
-            return jax.jvp(self.rules.tangent, (res, ts), (dres, dts))
+            dres, dts = tangents
+            out = self(res, ts)
+            parts = []
+            if not _all_zero(dts):
+                dts = _inst_tree(dts)
+                parts.append(_Tangent(self.rules, *_avals_of(res, dts), self.out_aval)(res, dts))
+            if not _all_zero(dres):
+                parts.append(jax.jvp(lambda r: self.rules.tangent(r, ts), (res,), (_inst_tree(dres),))[1])
+            if not parts:
+                return out, _Zero(self.out_aval.to_tangent_aval())
+            return out, functools.reduce(jnp.add, parts)
 
         lin, linearized = _hijax.linearize_from_jvp
         vjp_fwd, vjp_bwd_retval = _hijax.vjp_from_jvp
@@ -242,6 +268,59 @@ if _HAVE_HIJAX:
 
     def _avals_of(*trees):
         return tuple(jax.tree_util.tree_map(jax.typeof, t) for t in trees)
+
+    class _Fwd(_hijax.HiPrim):
+        """The op's fwd rule as one primitive, returning ``(out, res)``: the primal side of
+        the op's jvp and linearisation. Reverse mode taken through a JVP's primal output
+        (the loss of MeanFlow / consistency-model training, ``u`` of ``u, du = jax.jvp(...)``)
+        then runs the op's bwd rule (the kernels, on the residuals) rather than autodiff of
+        the fwd rule's formula (for attention, T x S arrays). Where the residuals get a
+        cotangent too (the JVP's tangent output differentiated: second order), the VJP is the
+        fwd rule's own, through its formula, on the saved inputs."""
+
+        def __init__(self, rules: _Rules, in_avals, out_aval):
+            self.in_avals = tuple(in_avals)
+            self.out_aval = out_aval
+            self.params = dict(rules=rules)
+            super().__init__()
+
+        def expand(self, *args):
+            return self.rules.fwd(*args)
+
+        def vjp_fwd(self, nzs_in, *args):
+            out, res = self.rules.fwd(*args)
+            return (out, res), (res, args)
+
+        def vjp_bwd(self, saved, outgrad, *arg_accums):
+            res, args = saved
+            ct_out, ct_res = outgrad
+            if _all_zero(ct_res):
+                cts = self.rules.bwd(res, _inst(ct_out))
+            else:
+                _, vjp = jax.vjp(self.rules.fwd, *args)
+                cts = vjp((_inst(ct_out), _inst_tree(ct_res)))
+            for acc, ct, aval in zip(arg_accums, cts, self.in_avals):
+                if isinstance(acc, _GradAccum) and ct is not None and _is_float(aval):
+                    acc.accum(S.typed_like(ct, aval))
+
+        def jvp(self, primals, tangents):
+            return jax.jvp(self.rules.fwd, primals, tuple(_inst_tree(tangents)))
+
+        lin, linearized = _hijax.linearize_from_jvp
+
+        def batch(self, axis_data, args, dims):
+            if all(d is None for d in dims):
+                return self(*args), jax.tree_util.tree_map(lambda _: None, self.out_aval)
+            rules = _batched_rules(self.rules, axis_data, tuple(dims))
+            out, (res, res_dims) = _fwd(rules, args)
+            return (out, res), (0, res_dims.dims)
+
+    def _fwd(rules: _Rules, args):
+        """``rules.fwd(*args)`` bound as a :class:`_Fwd`."""
+        jaxpr, shapes = jax.make_jaxpr(rules.fwd, return_shape=True)(*args)
+        out_aval = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), jaxpr.out_avals)
+        in_avals = [None if a is None else jax.typeof(a) for a in args]
+        return _Fwd(rules, in_avals, out_aval)(*args)
 
     class _Op(_hijax.HiPrim):
         """One op application: grad through its fwd/bwd rules, jvp through ``_Tangent``."""
@@ -279,11 +358,11 @@ if _HAVE_HIJAX:
             return prim(res, ts)
 
         def jvp(self, primals, tangents):
-            out, res = self.rules.fwd(*primals)
+            out, res = _fwd(self.rules, primals)
             return out, self._apply_tangent(res, tangents)
 
         def lin(self, nzs_in, *primals):
-            return self.rules.fwd(*primals)
+            return _fwd(self.rules, primals)
 
         def linearized(self, res, *tangents):
             return self._apply_tangent(res, tangents)
