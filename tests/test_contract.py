@@ -227,6 +227,23 @@ def test_transforms_keep_dtypes(spec, ex, impl, dt):
                 assert gs[j].shape == diff[j].shape, (name, j)
 
 
+@pytest.mark.parametrize("spec,ex,impl,dt", [c for c in _cases(SPECS, first_only=True) if c.values[3] != "float32"])
+def test_strict_dtype_promotion(spec, ex, impl, dt):
+    """Under ``jax.numpy_dtype_promotion("strict")`` (no implicit bf16/f16 -> f32) the op's
+    forward, VJP and, with forward mode, JVP trace in 16-bit (traced, not run): every widening
+    inside an op is an explicit cast."""
+    args, kwargs = _setup(spec, ex, dt)
+    diff = [args[i] for i in spec.diff_argnums]
+    f = _closure(spec.fn, spec, args, kwargs, impl)
+    with jax.numpy_dtype_promotion("strict"):
+        out, grads = jax.eval_shape(lambda *d: (lambda o, vjp: (o, vjp(o)))(*jax.vjp(f, *d)), *diff)
+        assert out.dtype == jax.eval_shape(f, *diff).dtype
+        assert [g.dtype for g in grads] == [d.dtype for d in diff]
+        if derivatives.FORWARD_MODE:
+            _, t = jax.eval_shape(lambda *d: jax.jvp(f, d, d), *diff)
+            assert t.dtype == out.dtype
+
+
 def _lowering_cases():
     return [
         pytest.param(s, ex, id=f"{s.name}-{ex.name}") for s in SPECS if s.has_kernels for ex in s.lowering

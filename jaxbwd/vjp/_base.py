@@ -235,5 +235,8 @@ def rows(x):
 
 
 def acc_dtype(*xs):
-    """Accumulation dtype: float32 for 16/32-bit inputs, float64 when an input is float64."""
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+    """Accumulation dtype of arrays (or dtypes): float32 for 16/32-bit inputs, float64 when
+    one is float64. Chosen without implicit promotion, which
+    ``jax.numpy_dtype_promotion("strict")`` refuses for bfloat16 with float32."""
+    wide = any(jnp.dtype(getattr(x, "dtype", x)) == jnp.float64 for x in xs)
+    return jnp.dtype(jnp.float64 if wide else jnp.float32)

@@ -55,7 +55,7 @@ def keep_mask(key, shape, rate, view=None):
 
 def _scaled(mask, v, rate):
     """``v / (1 - rate)`` where ``mask`` keeps, else 0, in at least float32 (unrounded)."""
-    cf = jnp.promote_types(v.dtype, jnp.float32)
+    cf = B.acc_dtype(v)
     return jnp.where(mask, v.astype(cf) * (1.0 / (1.0 - rate)), 0.0)
 
 

@@ -147,7 +147,7 @@ def _max_bwd(geom, impl, sel, dy):
         return (kernels.max_pool2d_bwd(sel, dy, in_hw=hw, window=window, strides=strides,
                                        pad_lo=(pads[0][0], pads[1][0]), interpret=impl.interpret),)
     padded = tuple(hw[i] + sum(pads[i]) for i in range(2))
-    acc = jnp.zeros((dy.shape[0], *padded, dy.shape[3]), jnp.promote_types(dy.dtype, jnp.float32))
+    acc = jnp.zeros((dy.shape[0], *padded, dy.shape[3]), B.acc_dtype(dy))
     for k, d in enumerate(np.ndindex(*window)):
         acc = acc + _place(jnp.where(sel == k, _cf(dy), 0.0), d, strides, padded)
     return (_crop(acc, pads, hw).astype(dy.dtype),)
@@ -317,7 +317,7 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
     B.check_nonempty_axis(op, "x", x, 2, "width W")
     B.impl(implementation, op)  # checks the name; no kernels: float64 runs under any choice
     ah, aw = _bins(x.shape[1], oh), _bins(x.shape[2], ow)
-    cf = jnp.promote_types(x.dtype, jnp.float32)
+    cf = B.acc_dtype(x)
     y = jnp.einsum("ih,nhwc,jw->nijc", ah.astype(cf), x.astype(cf), aw.astype(cf),
                    precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)
