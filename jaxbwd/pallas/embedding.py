@@ -81,7 +81,8 @@ def _scalar(ref, i):
     return jnp.sum(C.load(ref, i + one, one >= 0, other=0, dtype=jnp.int32))
 
 
-def _items_kernel(order_ref, end_ref, row_ref, slot_ref, dy_ref, _, dt_ref, part_ref, *, n_cols: int, block_cols: int):
+def _items_kernel(order_ref, end_ref, row_ref, slot_ref, dy_ref, _dt_in, _part_in, dt_ref, part_ref, *, n_cols: int,
+                  block_cols: int):
     i, j = pl.program_id(0), pl.program_id(1)
     cols = j * block_cols + jnp.arange(block_cols)
     cmask = cols < n_cols
@@ -131,14 +132,18 @@ def embed_bwd(work, dy, *, num_rows: int, dtype, interpret: bool = False):
     warps = max(1, min(8, BLOCK_TOKENS * block_cols // 1024))
     itemsize = jnp.dtype(dtype).itemsize
     zeros = jnp.zeros((V, D), dtype)
+    # Partial rows of hot ids; the slots no hot item uses are never read, but are zeroed (a
+    # 2 * N / CHUNK * D * 4-byte memset) so that no output holds uninitialised memory, which
+    # jax.debug_nans would flag (and interpret mode fills with NaN).
+    part0 = jnp.zeros((2 * W, D), jnp.float32)
     items = [work[k] for k in ("order", "end", "row", "slot")]
     dt, part = C.call(
         functools.partial(_items_kernel, n_cols=D, block_cols=block_cols), name="embed_bwd",
         grid=(N, n_col_blocks), out_shape=(jax.ShapeDtypeStruct((V, D), dtype),
                                            jax.ShapeDtypeStruct((2 * W, D), jnp.float32)),
         interpret=interpret, num_warps=warps, flops=N * D,
-        bytes_accessed=C.nbytes(dy, *items) + min(N, V) * D * itemsize, input_output_aliases={5: 0},
-    )(*items, dy, zeros)
+        bytes_accessed=C.nbytes(dy, *items) + min(N, V) * D * itemsize, input_output_aliases={5: 0, 6: 1},
+    )(*items, dy, zeros, part0)
     hot = [work[k] for k in ("hot_start", "hot_row", "hot_count")]
     return C.call(
         functools.partial(_hot_kernel, n_cols=D, block_cols=block_cols), name="embed_bwd_hot",

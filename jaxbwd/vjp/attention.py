@@ -99,22 +99,25 @@ def _xla_fwd(q, k, v, qseg, kseg, cfg):
     S = k.shape[1]
     qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg)
     shape = qf.shape[:-1]  # [B, K, G, T]
+    # Masked scores and the running max's start are the lowest finite value, not -inf, and
+    # masked p is 0 by the mask: the same result, and no inf for jax.debug_infs to flag when
+    # the op runs eagerly.
+    low = jnp.finfo(acc).min
 
     def step(carry, xs):
         o, m, l = carry
         kj, vj, ksj, cols = xs
         s, _ = _xla_logits(cfg, qf, kj, acc)
         mask = _xla_mask(cfg, T, cols, qseg, ksj) & (cols < S)
-        s = jnp.where(mask, s, -jnp.inf)
+        s = jnp.where(mask, s, low)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         l = alpha * l + jnp.sum(p, axis=-1)
         o = o * alpha[..., None] + jnp.einsum("bkgts,bksh->bkgth", p, vj.astype(acc))
         return (o, m_new, l), None
 
-    init = (jnp.zeros(qf.shape, acc), jnp.full(shape, -jnp.inf, acc), jnp.zeros(shape, acc))
+    init = (jnp.zeros(qf.shape, acc), jnp.full(shape, low, acc), jnp.zeros(shape, acc))
     (o, m, l), _ = jax.lax.scan(step, vary_like(init, qf, kb), (kb, vb, ksb, colsb))
     seen = l > 0
     o = o / jnp.where(seen, l, 1.0)[..., None]
