@@ -360,7 +360,9 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
       TypeError: x or w not floating or of different dtypes; stride, dilation, padding or
         groups not ints.
       ValueError: x or w not rank 4; w.shape[2] != Cin/groups; groups not dividing Cin and
-        Cout; non-positive stride/dilation/groups; negative padding; empty output.
+        Cout; non-positive stride/dilation/groups; negative padding; a padded x smaller
+        than the dilated kernel (no output position). (N = 0 or Cout = 0 give an empty
+        result.)
 
     Source: implicit GEMM as in cuDNN (Chetlur et al., "cuDNN: Efficient Primitives for
     Deep Learning", 2014) and NVIDIA CUTLASS's implicit-GEMM convolutions (Fprop, Dgrad,
