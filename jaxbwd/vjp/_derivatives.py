@@ -180,6 +180,21 @@ if _HAVE_HIJAX:
     def _inst_tree(tree):
         return jax.tree_util.tree_map(_inst, tree, is_leaf=_is_zero)
 
+    def _accum(accums, cts, avals):
+        """Adds each float argument's cotangent to its accumulator, typed as the argument."""
+        for acc, ct, aval in zip(accums, cts, avals):
+            if isinstance(acc, _GradAccum) and ct is not None and _is_float(aval):
+                acc.accum(S.typed_like(ct, aval))
+
+    class _RulesPrim(_hijax.HiPrim):
+        """A primitive applying one op's rules (``_Rules``) to the op's dynamic arguments."""
+
+        def __init__(self, rules: _Rules, in_avals, out_aval):
+            self.in_avals = tuple(in_avals)
+            self.out_aval = out_aval
+            self.params = dict(rules=rules)
+            super().__init__()
+
     def _batched_rules(rules: _Rules, axis_data, dims: tuple) -> _Rules:
         """The rules of the op vmapped over ``dims`` (outputs batched at 0)."""
         vr = _hijax.vmap_rule
@@ -209,14 +224,11 @@ if _HAVE_HIJAX:
                          for p, d in zip(probe, dims))
         return _hijax.vmap_rule(axis_data, rules.bwd, (res_dims, 0), out_axes, sum_match=True)(res, ct)
 
-    class _Tangent(_hijax.HiPrim):
+    class _Tangent(_RulesPrim):
         """The op's linear map at fixed residuals: forward the tangent rule, transpose the bwd rule."""
 
         def __init__(self, rules: _Rules, res_avals, t_avals, out_aval):
-            self.in_avals = (res_avals, t_avals)
-            self.out_aval = out_aval
-            self.params = dict(rules=rules)
-            super().__init__()
+            super().__init__(rules, (res_avals, t_avals), out_aval)
 
         def expand(self, res, tangents):
             return self.rules.tangent(res, tangents)
@@ -224,10 +236,7 @@ if _HAVE_HIJAX:
         def transpose(self, out_ct, res, tangents):
             if any(isinstance(x, _GradAccum) for x in jax.tree_util.tree_leaves(res)):
                 _unsupported(self.rules.name, "transposing the tangent map with respect to its residuals")
-            cts = self.rules.bwd(res, _inst(out_ct))
-            for acc, ct, aval in zip(tangents, cts, self.in_avals[1]):
-                if isinstance(acc, _GradAccum) and ct is not None:
-                    acc.accum(S.typed_like(ct, aval))
+            _accum(tangents, self.rules.bwd(res, _inst(out_ct)), self.in_avals[1])
 
         def jvp(self, primals, tangents):
             # Linear in ts: along dts the JVP is this map again (so reverse mode taken through
@@ -269,7 +278,7 @@ if _HAVE_HIJAX:
     def _avals_of(*trees):
         return tuple(jax.tree_util.tree_map(jax.typeof, t) for t in trees)
 
-    class _Fwd(_hijax.HiPrim):
+    class _Fwd(_RulesPrim):
         """The op's fwd rule as one primitive, returning ``(out, res)``: the primal side of
         the op's jvp and linearisation. Reverse mode taken through a JVP's primal output
         (the loss of MeanFlow / consistency-model training, ``u`` of ``u, du = jax.jvp(...)``)
@@ -277,12 +286,6 @@ if _HAVE_HIJAX:
         the fwd rule's formula (for attention, T x S arrays). Where the residuals get a
         cotangent too (the JVP's tangent output differentiated: second order), the VJP is the
         fwd rule's own, through its formula, on the saved inputs."""
-
-        def __init__(self, rules: _Rules, in_avals, out_aval):
-            self.in_avals = tuple(in_avals)
-            self.out_aval = out_aval
-            self.params = dict(rules=rules)
-            super().__init__()
 
         def expand(self, *args):
             return self.rules.fwd(*args)
@@ -299,9 +302,7 @@ if _HAVE_HIJAX:
             else:
                 _, vjp = jax.vjp(self.rules.fwd, *args)
                 cts = vjp((_inst(ct_out), _inst_tree(ct_res)))
-            for acc, ct, aval in zip(arg_accums, cts, self.in_avals):
-                if isinstance(acc, _GradAccum) and ct is not None and _is_float(aval):
-                    acc.accum(S.typed_like(ct, aval))
+            _accum(arg_accums, cts, self.in_avals)
 
         def jvp(self, primals, tangents):
             return jax.jvp(self.rules.fwd, primals, tuple(_inst_tree(tangents)))
@@ -322,14 +323,8 @@ if _HAVE_HIJAX:
         in_avals = [None if a is None else jax.typeof(a) for a in args]
         return _Fwd(rules, in_avals, out_aval)(*args)
 
-    class _Op(_hijax.HiPrim):
+    class _Op(_RulesPrim):
         """One op application: grad through its fwd/bwd rules, jvp through ``_Tangent``."""
-
-        def __init__(self, rules: _Rules, in_avals, out_aval):
-            self.in_avals = tuple(in_avals)
-            self.out_aval = out_aval
-            self.params = dict(rules=rules)
-            super().__init__()
 
         def expand(self, *args):
             return self.rules.primal(*args)
@@ -338,10 +333,7 @@ if _HAVE_HIJAX:
             return self.rules.fwd(*args)
 
         def vjp_bwd(self, res, outgrad, *arg_accums):
-            cts = self.rules.bwd(res, _inst(outgrad))
-            for acc, ct, aval in zip(arg_accums, cts, self.in_avals):
-                if isinstance(acc, _GradAccum) and ct is not None:
-                    acc.accum(S.typed_like(ct, aval))
+            _accum(arg_accums, self.rules.bwd(res, _inst(outgrad)), self.in_avals)
 
         def _tangent_in(self, tangents):
             return tuple(
