@@ -34,7 +34,7 @@ Three primitives per op application:
   residuals. Its JVP is itself along the input tangents (so that transposes the same way)
   plus the JVP of the tangent formula along the residuals.
 
-Both batch by vmapping their rules (``vmap`` of ``grad``, ``jacfwd``, per-example
+All three batch by vmapping their rules (``vmap`` of ``grad``, ``jacfwd``, per-example
 gradients), with unbatched residuals (a shared weight) left unbatched.
 
 Second order on the kernel path: a rule that runs Pallas kernels (``Impl.pallas``) is
