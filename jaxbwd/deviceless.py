@@ -458,10 +458,23 @@ def _nbytes(aval) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize if hasattr(aval, "shape") else 0
 
 
+def hijax_expansion(eqn):
+    """The jaxpr a hijax primitive's equation expands to (jaxbwd's ops under forward mode,
+    ``_Fwd`` and ``_Tangent``, keep their kernels there; printed jaxprs do not show it), or
+    ``None`` for any other equation. Traced from shapes and dtypes only: the avals carry the
+    mesh of their own trace, not the one in context."""
+    import jax
+
+    prim = eqn.params.get("_prim")
+    if not (hasattr(prim, "expand") and hasattr(prim, "in_tree")):
+        return None
+    leaves = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(prim.expand)(*jax.tree_util.tree_unflatten(prim.in_tree, leaves)).jaxpr
+
+
 def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
     """Every ``pallas_call`` in a (closed) jaxpr, nested jaxprs included: its name, grid,
     cost estimate and minimum bytes (operands read once, results written once)."""
-    import jax
     from jax.extend import core as jex_core
 
     found = []
@@ -481,14 +494,9 @@ def _kernel_calls(jaxpr) -> list[dict[str, Any]]:
                     "io_bytes": sum(_nbytes(v.aval) for v in eqn.invars) + sum(_nbytes(v.aval) for v in eqn.outvars),
                     "metadata": dict(p.get("metadata") or {}),
                 })
-            prim = eqn.params.get("_prim")
-            if hasattr(prim, "expand") and hasattr(prim, "in_tree"):
-                # A hijax primitive (jaxbwd's ops under forward mode: _Fwd, _Tangent) keeps its
-                # kernels in its expansion, which the jaxpr does not show.
-                # Shapes and dtypes only: the avals' mesh is the trace's, not the one in context.
-                leaves = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-                args = jax.tree_util.tree_unflatten(prim.in_tree, leaves)
-                walk(jax.make_jaxpr(prim.expand)(*args).jaxpr)
+            expansion = hijax_expansion(eqn)
+            if expansion is not None:
+                walk(expansion)
             for v in eqn.params.values():
                 for sub in v if isinstance(v, (tuple, list)) else (v,):
                     if isinstance(sub, jex_core.ClosedJaxpr):

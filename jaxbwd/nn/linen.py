@@ -76,7 +76,8 @@ class LayerNorm(_Impl, fnn.LayerNorm):
     both settings take the kernel, which always computes the variance in two passes over a
     float32 row (flax's slow, accurate form; the fast form is a cheaper formula for the same
     quantity, which loses accuracy where the mean is large against the spread: there the
-    results match ``use_fast_variance=False``, not flax's default). dtype as :class:`RMSNorm`. Any other configuration runs flax's code.
+    results match ``use_fast_variance=False``, not flax's default). dtype as :class:`RMSNorm`.
+    Any other configuration runs flax's code.
     Call: x [..., D] -> same shape. Source: Ba et al. (2016).
 
     Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
