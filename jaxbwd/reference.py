@@ -235,7 +235,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         out = jnp.sum(loss)
         if reduction == "mean":
             den = jnp.sum(jnp.where(valid, wts, 0.0))
-            out = out / jnp.where(den == 0, 1.0, den)
+            out = jnp.where(den == 0, 0.0, out / jnp.where(den == 0, 1.0, den))
     out = out.astype(dtype)
     if return_aux:
         return out, {"lse": lse, "z_loss": jnp.where(valid, z_loss * lse * lse, 0.0)}

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbwd import reference as ref
 from jaxbwd.vjp import activations, linear, norms, shape
@@ -453,6 +454,8 @@ _SPECS: list[OpSpec] = [
         ),
         bad_inputs=(
             BadInput("float ids", lambda: ((jnp.zeros((4,)), jnp.ones((8, 3))), {}), TypeError, r"ids must have an integer dtype.*got float32"),
+            # Only without x64 (the tests' default): JAX would wrap the id to 1.
+            BadInput("NumPy int64 id past int32", lambda: ((np.array([2**33 + 1], np.int64), jnp.ones((8, 3))), {}), ValueError, r"ids holds values in \[8589934593, 8589934593\], outside int32's range"),
             BadInput("integer table", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 3), jnp.int32)), {}), TypeError, r"table must have a floating dtype.*got int32"),
             BadInput("table rank", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8,))), {}), ValueError, r"table must have rank 2 \(\[V, D\]\), got shape \(8,\)"),
             BadInput("empty D", lambda: ((jnp.zeros((4,), jnp.int32), jnp.ones((8, 0))), {}), ValueError, r"table must have a non-empty feature axis D, got shape \(8, 0\)"),
@@ -530,11 +533,11 @@ _SPECS: list[OpSpec] = [
             Example("2x1000x8x64-f32-window-softcap", lambda k, d: ((_sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32"), _sds((2, 1000, 8, 64), "float32")), {"sliding_window": 256, "logit_softcap": 50.0})),
         ),
         bad_inputs=(
-            BadInput("head dim", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {}), ValueError, r"k must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
+            BadInput("head dim", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {}), ValueError, r"key must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
             BadInput("N % K", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16))), {}), ValueError, r"N % K == 0.*got N=4, K=3"),
             BadInput("segment_ids shape", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}), ValueError, r"segment_ids must have shape \(1, 8\).*got \(1, 7\)"),
             BadInput("window <= 0", lambda: ((jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {"sliding_window": 0}), ValueError, r"sliding_window must be an int >= 1, got 0"),
-            BadInput("integer q", lambda: ((jnp.ones((1, 8, 4, 16), jnp.int32), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {}), TypeError, r"q must have a floating dtype.*got int32"),
+            BadInput("integer q", lambda: ((jnp.ones((1, 8, 4, 16), jnp.int32), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {}), TypeError, r"query must have a floating dtype.*got int32"),
         ),
         # fwd 4*B*N*T*S*H (QK^T and PV), bwd 2.5x fwd; causal halves both.
         flops=lambda q, k, v, is_causal=False, **_: (
@@ -775,6 +778,7 @@ _SPECS += [
             BadInput("weight length", lambda: ((jnp.ones((2, 4, 6)), jnp.ones((5,)), jnp.ones((6,))), {}), ValueError, r"weight must have shape \(6,\).*got \(5,\)"),
             BadInput("rank-1 x", lambda: ((jnp.ones((6,)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"x must have rank >= 2.*got shape \(6,\)"),
             BadInput("one running stat", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"running_mean": jnp.zeros((6,))}), ValueError, r"give both running_mean and running_var or neither"),
+            BadInput("unbound axis_name", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"axis_name": "batch"}), ValueError, r"axis_name must name an axis bound by an enclosing shard_map, pmap or vmap, got 'batch'"),
             BadInput("empty batch", lambda: ((jnp.ones((0, 6)), jnp.ones((6,)), jnp.ones((6,))), {}), ValueError, r"training=True needs at least one element per channel.*got x of shape \(0, 6\)"),
             BadInput("no channels", lambda: ((jnp.ones((2, 0)), jnp.ones((0,)), jnp.ones((0,))), {}), ValueError, r"x must have a non-empty channel axis 1, got shape \(2, 0\)"),
             BadInput("eval without stats", lambda: ((jnp.ones((2, 6)), jnp.ones((6,)), jnp.ones((6,))), {"training": False}), ValueError, r"training=False normalises with running_mean and running_var; got None"),

@@ -308,7 +308,7 @@ def test_residuals_are_linear_in_T(impl):
 
 BAD = [
     ("head dim", lambda: (jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 32)), jnp.ones((1, 8, 2, 32))), {},
-     ValueError, r"k must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
+     ValueError, r"key must have shape \[B=1, S, K, H=16\].*got \(1, 8, 2, 32\)"),
     ("N % K", lambda: (jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16))), {},
      ValueError, r"N % K == 0.*got N=4, K=3"),
     ("segment shape", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
@@ -323,13 +323,13 @@ BAD = [
      {"sliding_window": -3}, ValueError, r"sliding_window must be an int >= 1, got -3"),
     ("softcap 0", lambda: (jnp.ones((1, 8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2,
      {"logit_softcap": 0.0}, ValueError, r"logit_softcap must be a positive number, got 0.0"),
-    ("rank", lambda: (jnp.ones((8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, ValueError, r"q must have rank 4"),
+    ("rank", lambda: (jnp.ones((8, 4, 16)),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, ValueError, r"query must have rank 4"),
     ("int q", lambda: (jnp.ones((1, 8, 4, 16), jnp.int32),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, TypeError,
-     r"q must have a floating dtype"),
+     r"query must have a floating dtype"),
     ("mixed dtypes", lambda: (jnp.ones((1, 8, 4, 16), jnp.bfloat16),) + (jnp.ones((1, 8, 2, 16)),) * 2, {}, TypeError,
-     r"q, k, v must share one dtype"),
+     r"query, key, value must share one dtype"),
     ("empty head dim", lambda: (jnp.ones((1, 8, 4, 0)),) + (jnp.ones((1, 8, 2, 0)),) * 2, {}, ValueError,
-     r"q must have a non-empty head dim H, got shape \(1, 8, 4, 0\)"),
+     r"query must have a non-empty head dim H, got shape \(1, 8, 4, 0\)"),
 ]
 
 

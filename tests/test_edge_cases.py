@@ -61,9 +61,9 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.rope(jnp.ones((1, 4, 2, 8)), start_pos=jnp.float32(1.5)), TypeError, r"rope: start_pos must have an integer dtype"),
         (lambda: jaxbwd.cross_entropy(jnp.ones((4, 0)), jnp.zeros((4,), i32)), ValueError, r"cross_entropy: logits must have a non-empty"),
         (lambda: jaxbwd.embed(jnp.zeros((3,), i32), jnp.ones((0, 8))), ValueError, r"embed: table must have a non-empty"),
-        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 0, 2, 8)), jnp.ones((1, 0, 2, 8))), ValueError, r"dot_product_attention: k must have a non-empty"),
-        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: q must have a non-empty head axis N"),
-        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: k must have a non-empty head axis K"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 0, 2, 8)), jnp.ones((1, 0, 2, 8))), ValueError, r"dot_product_attention: key must have a non-empty"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: query must have a non-empty head axis N"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 0, 8)), jnp.ones((1, 4, 0, 8))), ValueError, r"dot_product_attention: key must have a non-empty head axis K"),
         # Non-finite static numbers would poison every result: rejected by name.
         (lambda: jaxbwd.dot_product_attention(*[jnp.ones((1, 4, 2, 8))] * 3, scale=float("nan")), ValueError, r"dot_product_attention: scale must be a finite number, got nan"),
         (lambda: jaxbwd.scale(jnp.ones(3), float("inf")), ValueError, r"scale: factor must be a finite number, got inf"),
@@ -387,7 +387,7 @@ def test_head_dim_past_256_takes_xla_unless_pallas_is_named():
     want = jaxbwd.dot_product_attention(q, q, q, implementation="xla")
     with jaxbwd.config.use(implementation="pallas"):
         chex.assert_trees_all_equal(jaxbwd.dot_product_attention(q, q, q), want)
-    with pytest.raises(ValueError, match=r"dot_product_attention: q's head dim H must be <= 256 for the Pallas kernels, got H=264"):
+    with pytest.raises(ValueError, match=r"dot_product_attention: query's head dim H must be <= 256 for the Pallas kernels, got H=264"):
         jaxbwd.dot_product_attention(q, q, q, implementation="pallas")
 
 

@@ -52,7 +52,9 @@ def _unfused(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0
             out = loss
         else:
             den = jnp.sum(jnp.where(valid, wts, 0.0))
-            out = jnp.sum(loss) / (jnp.where(den == 0, 1.0, den) if reduction == "mean" else 1.0)
+            out = jnp.sum(loss)
+            if reduction == "mean":
+                out = jnp.where(den == 0, 0.0, out / jnp.where(den == 0, 1.0, den))
     return (out, aux) if return_aux else out
 
 
@@ -242,6 +244,11 @@ def test_everything_ignored_or_zero_weights_gives_zero(impl):
     assert float(loss) == 0.0 and not np.any(np.asarray(g))
     zero_w = jaxbwd.linear_cross_entropy(x, w, labels, weights=jnp.zeros((6,)), implementation=impl)
     assert float(zero_w) == 0.0
+    # Weights of both signs summing to 0 over valid labels: the documented 0, not the numerator.
+    wts, labels = jnp.array([1.0, -1.0, 2.0, -2.0, 0.5, -0.5]), jnp.arange(6) * 3
+    mean, g = jax.value_and_grad(lambda x: jaxbwd.linear_cross_entropy(x, w, labels, weights=wts, implementation=impl))(x)
+    assert float(jaxbwd.linear_cross_entropy(x, w, labels, weights=wts, reduction="sum", implementation=impl)) != 0.0
+    assert float(mean) == 0.0 and not np.any(np.asarray(g))
 
 
 def test_bfloat16_matches_float32_reference():

@@ -109,7 +109,25 @@ def check_int(op: str, name: str, x: Any) -> Any:
     check_array(op, name, x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"jaxbwd.{op}: {name} must have an integer dtype, got {_dtype_name(x)}")
+    _check_host_index_fits(op, name, x)
     return widen_index(x)
+
+
+def _check_host_index_fits(op: str, name: str, x: Any) -> None:
+    # Without jax_enable_x64, jnp.asarray narrows a NumPy int64 array to int32 by wrapping,
+    # so an id of 2**32 + 1 would silently become 1. Host values are concrete: check them.
+    if not isinstance(x, (np.ndarray, np.generic)) or x.size == 0:
+        return
+    narrow = jax.dtypes.canonicalize_dtype(x.dtype)
+    if narrow == x.dtype:
+        return
+    info, lo, hi = np.iinfo(narrow), int(np.min(x)), int(np.max(x))
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"jaxbwd.{op}: {name} holds values in [{lo}, {hi}], outside {narrow.name}'s range, and JAX "
+            f"without jax_enable_x64 would wrap them to other indices; enable jax_enable_x64 or "
+            f"narrow them, got dtype {x.dtype.name}"
+        )
 
 
 def widen_index(x: Any) -> Any:
@@ -137,6 +155,20 @@ def check_shape(op: str, name: str, x: Any, expected: Sequence[int], what: str =
             f"jaxbwd.{op}: {name} must have shape {tuple(expected)}{' ' + what if what else ''}, "
             f"got {tuple(x.shape)}"
         )
+
+
+def check_axis_name(op: str, axis_name: Any) -> None:
+    """``None``, or a named axis (or tuple of them) bound by an enclosing shard_map, pmap or vmap."""
+    if axis_name is None:
+        return
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        try:
+            jax.lax.axis_size(name)  # static: adds nothing to the jaxpr
+        except NameError as e:
+            raise ValueError(
+                f"jaxbwd.{op}: axis_name must name an axis bound by an enclosing shard_map, pmap or vmap, "
+                f"got {name!r}, which is unbound here"
+            ) from e
 
 
 def check_positive(op: str, name: str, value: Any) -> None:

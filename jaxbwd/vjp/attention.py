@@ -266,28 +266,28 @@ _attention.deftangent(_attention_tangent)
 
 # ----------------------------------------------------------------------------- checks
 def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap):
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("query", q), ("key", k), ("value", v)):
         B.check_float(OP, name, x)
-    B.check_ndim(OP, "q", q, ndim=4, what="([B, T, N, H])")
+    B.check_ndim(OP, "query", q, ndim=4, what="([B, T, N, H])")
     Bsz, T, N, H = q.shape
-    B.check_ndim(OP, "k", k, ndim=4, what="([B, S, K, H])")
+    B.check_ndim(OP, "key", k, ndim=4, what="([B, S, K, H])")
     S, K = k.shape[1], k.shape[2]
-    B.check_nonempty_axis(OP, "k", k, 1, "key axis S")
-    B.check_nonempty_axis(OP, "q", q, 3, "head dim H")
-    B.check_nonempty_axis(OP, "q", q, 2, "head axis N")
-    B.check_nonempty_axis(OP, "k", k, 2, "head axis K")
+    B.check_nonempty_axis(OP, "key", k, 1, "key axis S")
+    B.check_nonempty_axis(OP, "query", q, 3, "head dim H")
+    B.check_nonempty_axis(OP, "query", q, 2, "head axis N")
+    B.check_nonempty_axis(OP, "key", k, 2, "head axis K")
     if k.shape[0] != Bsz or k.shape[3] != H:
         raise ValueError(
-            f"jaxbwd.{OP}: k must have shape [B={Bsz}, S, K, H={H}] (q's batch and head dim), "
+            f"jaxbwd.{OP}: key must have shape [B={Bsz}, S, K, H={H}] (query's batch and head dim), "
             f"got {tuple(k.shape)}"
         )
-    B.check_shape(OP, "v", v, k.shape, what="(k's shape [B, S, K, H])")
+    B.check_shape(OP, "value", v, k.shape, what="(key's shape [B, S, K, H])")
     if N % K != 0:
         raise ValueError(
-            f"jaxbwd.{OP}: q's head count N must be a multiple of k's head count K "
+            f"jaxbwd.{OP}: query's head count N must be a multiple of key's head count K "
             f"(N % K == 0), got N={N}, K={K}"
         )
-    B.check_same_dtype(OP, ("q", "k", "v"), (q, k, v))
+    B.check_same_dtype(OP, ("query", "key", "value"), (q, k, v))
     qseg = kseg = None
     if segment_ids is not None:
         if isinstance(segment_ids, (tuple, list)):
@@ -480,11 +480,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     float32 and the segment ids: O(B*N*T) beyond the inputs, no T x S array.
 
     Raises:
-      TypeError: non-floating or mixed q/k/v dtypes, non-integer segment_ids or seq lengths,
+      TypeError: non-floating or mixed query/key/value dtypes, non-integer segment_ids or seq lengths,
         non-boolean mask, traced or non-numeric scale/sliding_window/logit_softcap/
         local_window_size, non-bool is_causal.
-      ValueError: q/k/v not rank 4 (or all rank 3), an empty key axis, head axis or head
-        dim, k/v batch or head dim (H) different from q's, v's shape not k's, N % K != 0,
+      ValueError: query/key/value not rank 4 (or all rank 3), an empty key axis, head axis
+        or head dim, key/value batch or head dim (H) different from query's, value's shape
+        not key's, N % K != 0,
         segment_ids or seq lengths of the wrong shape, bias/mask not broadcastable to
         [B, N, T, S], sliding_window <= 0, a negative or malformed local_window_size, both
         local_window_size and sliding_window,
@@ -559,7 +560,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
             if implementation is not None:  # asked for by name: say so rather than fall back
                 raise ValueError(
-                    f"jaxbwd.{OP}: q's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas "
+                    f"jaxbwd.{OP}: query's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas "
                     f"kernels, got H={q.shape[-1]} (use implementation='xla' or None)"
                 )
             impl = B.Impl("xla", impl.interpret)

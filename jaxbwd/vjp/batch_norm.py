@@ -125,7 +125,8 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         training not a bool; static numbers traced.
       ValueError: rank < 2; axis out of range; weight/bias/running shapes not [C]; only one
         of running_mean/running_var; running statistics missing when not training; eps <= 0;
-        momentum outside [0, 1]; unknown implementation.
+        momentum outside [0, 1]; in training, an ``axis_name`` that no enclosing
+        shard_map/pmap/vmap binds; unknown implementation.
 
     Source: Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
     Reducing Internal Covariate Shift" (2015), algorithm 1 and section 3.
@@ -161,6 +162,8 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         raise ValueError(f"jaxbwd.{op}: momentum must be in [0, 1], got {momentum!r}")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"jaxbwd.{op}: training must be a Python bool, got {training!r}")
+    if training:
+        B.check_axis_name(op, axis_name)
     impl = B.impl(implementation, op, x, weight, bias)
 
     xm = x if axis == x.ndim - 1 else jnp.moveaxis(x, axis, -1)

@@ -116,7 +116,9 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
 
     Raises:
       TypeError: ids not integer, table not floating, padding_idx not an int.
-      ValueError: table not of rank 2, padding_idx outside [-V, V), unknown implementation.
+      ValueError: table not of rank 2, padding_idx outside [-V, V), a NumPy int64 ids array
+        with values outside int32 while ``jax_enable_x64`` is off (JAX would wrap them),
+        unknown implementation.
 
     Source: the adjoint of a gather is a scatter-add (``torch.nn.Embedding`` semantics for
     ``padding_idx``).

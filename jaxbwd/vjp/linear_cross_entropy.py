@@ -299,7 +299,8 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         (z-loss included) is multiplied by its weight.
       reduction: ``"mean"`` (the weighted mean over non-ignored tokens,
         ``sum(w_i loss_i) / sum(w_i)`` over them, the plain mean without weights; 0 when
-        the denominator is 0), ``"sum"``, or ``"none"`` ([...] per-token weighted losses).
+        the denominator is 0, also for negative weights summing to 0), ``"sum"``, or
+        ``"none"`` ([...] per-token weighted losses).
       return_aux: also return ``{"lse": [...] f32, "z_loss": [...] f32}``: each token's
         logsumexp (for every token, ignored or not) and its unweighted z-loss term
         ``z_loss * lse**2`` (0 on ignored tokens), e.g. for logging.
@@ -319,8 +320,9 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
       TypeError: x or w not floating, labels not integer, weights not floating, a traced
         static parameter, return_aux or transpose_w not a bool.
       ValueError: x of rank 0, w not rank 2 or not matching x's D, an empty vocabulary,
-        labels' or weights' shape not x.shape[:-1], label_smoothing outside [0, 1],
-        z_loss < 0, logit_softcap <= 0 or not finite, unknown reduction or implementation.
+        labels' or weights' shape not x.shape[:-1], label_smoothing outside [0, 1] or
+        z_loss < 0 (either not finite), logit_softcap <= 0 or not finite, unknown
+        reduction or implementation.
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR
     2025): logits recomputed blockwise from x and w, only the lse stored; the gradient
@@ -386,7 +388,8 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         out = jnp.sum(loss)
         if reduction == "mean":
             den = jnp.sum(valid).astype(loss.dtype) if wts is None else jnp.sum(jnp.where(valid, wts, 0.0))
-            out = out / jnp.where(den == 0, 1.0, den)
+            # Weights may be negative, so the numerator need not vanish with den.
+            out = jnp.where(den == 0, 0.0, out / jnp.where(den == 0, 1.0, den))
     out = out.astype(dtype)
     if return_aux:
         return out, {"lse": lse, "z_loss": zterm}

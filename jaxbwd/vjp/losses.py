@@ -330,7 +330,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     Raises:
       TypeError: logits not floating, labels not integer, a traced static parameter.
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
-        outside [0, 1], z_loss < 0, unknown reduction or implementation.
+        outside [0, 1] or z_loss < 0 (either not finite), unknown reduction or implementation.
 
     Source: ``dlogits = g * w * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)`` with ``w``
     the row's weight in the reduction, the softmax as ``exp(x - max) / sum`` from the row max

@@ -182,7 +182,7 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
 
     Raises:
       TypeError: x, weight or bias not floating; eps traced.
-      ValueError: x of rank 0, weight/bias not of shape [D], eps <= 0, unknown implementation.
+      ValueError: x of rank 0, weight/bias not of shape [D], eps <= 0 or not finite, unknown implementation.
 
     Source: Ba, Kiros & Hinton, "Layer Normalization" (2016). Backward:
     ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy) - mean(w*dy))``, ``dw = sum(dy * x_hat)``,

@@ -76,7 +76,8 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean", implementa
         differentiable too.
       reduction: ``"mean"`` (the sum divided by the number of elements, as
         ``optax.squared_error(p, t).mean()`` and ``torch.nn.MSELoss``; with weights still
-        by the element count, not the weights' sum), ``"sum"`` or ``"none"``.
+        by the element count, not the weights' sum; NaN for empty inputs, as
+        ``jnp.mean``), ``"sum"`` or ``"none"``.
       implementation: accepted for uniformity (``None``, ``"pallas"`` or ``"xla"``); both
         run the same XLA formulas (the backward is one fused pass, see the module docstring).
 
