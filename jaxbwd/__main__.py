@@ -93,7 +93,7 @@ def _check(args) -> int:
     print(_table(
         ("op", "implementation", "checked", "max abs err", "scaled err", "result"),
         [(r.op, r.implementation, "forward" if r.arg == "out" else f"grad {r.arg}", f"{r.max_abs:.2e}",
-          f"{r.max_rel:.2e}", "pass" if r.ok else "FAIL") for r in rows],
+          f"{r.max_rel:.2e}", "pass" if r.ok else "FAIL" + (f": {r.note}" if r.note else "")) for r in rows],
         width=None if args.wide else TABLE_WIDTH, align="<<<>><",
     ))
     failed = [r for r in rows if not r.ok]

@@ -207,7 +207,7 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
 
     Raises:
       ValueError: unknown size or mode, Pallas without a GPU (see :func:`unavailable`), or
-        jvp mode on a jax without forward mode for the ops. KeyError: unknown op.
+        jvp mode on a jax without forward mode or for an op without one. KeyError: unknown op.
     """
     size = size or default_size()
     if size not in ("small", "llm"):
@@ -221,10 +221,15 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
     why = unavailable(implementation)
     if why:
         raise ValueError(why)
+    specs = registry.ops(ops)
+    no_jvp = [s.name for s in specs if not s.forward_mode] if mode == "jvp" else []
+    if no_jvp:
+        raise ValueError(f"jaxbwd bench: mode 'jvp' needs forward mode, which {', '.join(no_jvp)} "
+                         "does not have (a fwd rule and no tangent rule); leave it out or give it a tangent")
     impl = implementation or config.default_implementation()
     copy = copy_bandwidth()
     rows = []
-    for spec in registry.ops(ops):
+    for spec in specs:
         has_kernels = spec.jvp_kernels if mode == "jvp" else spec.has_kernels
         rows.append(bench_op(spec, size, impl if has_kernels else "xla", copy, repeats, mode))
     return {

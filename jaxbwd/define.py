@@ -141,6 +141,7 @@ class Op:
         are :class:`jaxbwd.registry.Example`/``BadInput``; ``more`` are other OpSpec fields."""
         from jaxbwd import registry
 
+        more.setdefault("forward_mode", self.tangent is not None or self._fwd_rule is None)
         return registry.OpSpec(
             name=self.name, family=family, fn=self, reference=reference, diff_argnums=tuple(diff_argnums),
             static_params=tuple(static_params), kernels=self.kernels,
@@ -294,7 +295,8 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
       tangent: ``tangent(res, tangents, **static) -> out tangent``, linear in ``tangents``
         (one per array argument, ``None`` for integer ones). Default with no ``fwd``: the
         JVP of ``forward``; with a ``fwd`` and no ``tangent``, forward mode raises
-        ``NotImplementedError`` naming the op.
+        ``NotImplementedError`` naming the op (reverse mode, also through ``jax.checkpoint``
+        and ``lax.scan``, runs the backward).
       check: ``check(*arrays, **static)`` raising ValueError/TypeError on bad input.
       sharding: an optional layout signature for ``jaxbwd.sharding.partitioned`` (e.g.
         ``"...->..."`` for elementwise ops, one input term per array argument, one output)

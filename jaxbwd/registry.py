@@ -82,6 +82,10 @@ class OpSpec:
     # compiled temp bytes of jit(jvp) on the XLA path (CPU) may not exceed the budget.
     jvp_kernels: tuple[str, ...] = ()
     jvp_memory: Optional[tuple[Example, Callable[..., int]]] = None
+    # False for an op without forward mode (a define_op with a fwd and no tangent): the
+    # contract then checks that jax.jvp raises NotImplementedError naming it, and
+    # ``bench --mode jvp`` refuses it.
+    forward_mode: bool = True
 
     @property
     def has_kernels(self) -> bool:

@@ -41,6 +41,53 @@ class TestDefineElementwiseContract(jaxbwd.testing.OpContract):
     spec = SOFTPLUS
 
 
+# A fwd rule (what is saved) and no tangent rule: reverse mode only.
+cube_fwd = jaxbwd.define_op("cube_fwd_test", forward=lambda x: x ** 3, fwd=lambda x: (x ** 3, (x * x,)),
+                            backward=lambda res, dy: (3.0 * res[0] * dy,))
+CUBE_FWD = cube_fwd.spec(
+    reference=lambda x: x ** 3,
+    examples=(registry.Example("5x7", lambda k, dt: ((jax.random.normal(k, (5, 7), jnp.float32).astype(dt),), {})),),
+    residual_budget=lambda x: x.size * x.dtype.itemsize)
+
+
+class TestFwdWithoutTangentContract(jaxbwd.testing.OpContract):
+    """Checkpoint and scan (in the transforms) linearise the op; only jax.jvp may refuse it."""
+    spec = CUBE_FWD
+
+
+def test_op_without_forward_mode_runs_reverse_mode_under_checkpoint():
+    assert not CUBE_FWD.forward_mode
+    x = jnp.linspace(-2.0, 2.0, 6)
+    loss = lambda x: jnp.sum(cube_fwd(x))  # noqa: E731
+    for g in (jax.grad(jax.checkpoint(loss)), jax.jit(jax.grad(jax.checkpoint(
+            loss, policy=jax.checkpoint_policies.nothing_saveable)))):
+        jaxbwd.testing.assert_close(g(x), 3.0 * x * x, 1e-6)
+    with pytest.raises(NotImplementedError, match=r"jaxbwd\.cube_fwd_test: forward-mode"):
+        jax.jvp(cube_fwd, (x,), (x,))
+
+
+@pytest.mark.skipif(not FORWARD_MODE, reason="jvp mode needs jax >= 0.12")
+def test_bench_jvp_refuses_an_op_without_forward_mode(monkeypatch):
+    from jaxbwd import bench
+
+    monkeypatch.setattr(registry, "REGISTRY", {**registry.REGISTRY, CUBE_FWD.name: CUBE_FWD})
+    with pytest.raises(ValueError, match=r"mode 'jvp' needs forward mode, which cube_fwd_test does not have"):
+        bench.run([CUBE_FWD.name], size="small", implementation="xla", mode="jvp", repeats=1)
+
+
+def test_check_fails_a_pallas_path_that_runs_no_named_kernel():
+    from jaxbwd.check import check_op
+
+    op = jaxbwd.define_op("fallback_test", forward=lambda x: 2.0 * x, backward=lambda r, d: (2.0 * d,),
+                          pallas_backward=lambda r, d, *, interpret: (2.0 * d,), kernels=("fallback_test_bwd",))
+    spec = op.spec(reference=lambda x: 2.0 * x,
+                   examples=(registry.Example("4", lambda k, dt: ((jnp.ones((4,), dt),), {})),))
+    forward, grad = check_op(spec, "pallas")
+    assert forward.ok and grad.max_rel == 0.0
+    assert not grad.ok and grad.note == "no fallback_test_bwd in the backward"
+    assert all(r.ok for r in check_op(spec, "xla"))
+
+
 def test_second_order_on_the_kernel_path():
     """grad of grad through the Pallas backward differentiates the XLA formula."""
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 33))

@@ -87,6 +87,7 @@ except ImportError:  # pragma: no cover - old JAX
 FORWARD_MODE = _HAVE_HIJAX
 """Whether forward-mode derivatives (jvp, linearize, jacfwd, hessian) are available."""
 
+_FORWARD_MODE = "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)"
 _FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
 
 
@@ -231,6 +232,10 @@ if _HAVE_HIJAX:
             super().__init__(rules, (res_avals, t_avals), out_aval)
 
         def expand(self, res, tangents):
+            # Without a tangent rule the map exists only transposed (reverse mode through
+            # checkpoint or scan linearises the op); evaluating it forward is forward mode.
+            if self.rules.tangent is None:
+                _unsupported(self.rules.name, _FORWARD_MODE)
             return self.rules.tangent(res, tangents)
 
         def transpose(self, out_ct, res, tangents):
@@ -250,6 +255,8 @@ if _HAVE_HIJAX:
                 dts = _inst_tree(dts)
                 parts.append(_Tangent(self.rules, *_avals_of(res, dts), self.out_aval)(res, dts))
             if not _all_zero(dres):
+                if self.rules.tangent is None:
+                    _unsupported(self.rules.name, _FORWARD_MODE)
                 parts.append(jax.jvp(lambda r: self.rules.tangent(r, ts), (res,), (_inst_tree(dres),))[1])
             if not parts:
                 return out, _Zero(self.out_aval.to_tangent_aval())
@@ -263,7 +270,7 @@ if _HAVE_HIJAX:
             res_dims, t_dims = dims
             rules = self.rules
             vr = _hijax.vmap_rule
-            tangent = vr(axis_data, rules.tangent, (res_dims, t_dims), 0)
+            tangent = None if rules.tangent is None else vr(axis_data, rules.tangent, (res_dims, t_dims), 0)
 
             def bwd(res, ct):
                 return _batched_bwd(rules, axis_data, t_dims, res, res_dims, ct)
@@ -342,8 +349,6 @@ if _HAVE_HIJAX:
             )
 
         def _apply_tangent(self, res, tangents):
-            if self.rules.tangent is None:
-                _unsupported(self.rules.name, "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)")
             ts = self._tangent_in(tangents)
             t_out_aval = self.out_aval.to_tangent_aval()
             prim = _Tangent(self.rules, *_avals_of(res, ts), t_out_aval)
