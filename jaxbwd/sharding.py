@@ -92,7 +92,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec",
+__all__ = ["partitioned", "whole", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec",
            "replicated_cotangent", "vary_together", "vary_like", "operands_mesh"]
 
 _ELLIPSIS = "."
@@ -473,6 +473,26 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     return jax.shard_map(
         body, in_specs=tuple(in_specs[i] for i in present), out_specs=out_specs, check_vma=False, **manual,
     )(*operands)
+
+
+def whole(fn: Callable, *args) -> Any:
+    """``fn(*args)`` on operands gathered whole, under explicit axes only.
+
+    For ops whose Pallas kernels do not run per shard yet: under explicit axes a kernel
+    handed sharded operands fails to trace (sharded refs cannot be indexed), so each
+    operand is resharded to replicated and the op runs as ``partitioned`` runs a replicated
+    one; the output is then sliced back to the first operand's layout (a local slice), which
+    it has the shape of. Under Auto axes XLA gathers around the kernel by itself, and
+    without a mesh there is nothing to gather: ``fn(*args)`` as is.
+    """
+    if _explicit_mesh() is None and _operands_mesh(args) is None:
+        return fn(*args)
+    letters = iter("ABCDEFGHIJKLMNOPQRSTUVWXYZ" * 8)  # upper case: never split; may repeat
+    terms = ["".join(next(letters) for _ in range(a.ndim)) for a in args]
+    with operands_mesh(*args):
+        out = partitioned(",".join(terms) + "->" + terms[0], fn, *args)
+        layout = spec(args[0])
+        return out if layout is None else jax.sharding.reshard(out, layout)
 
 
 # ---------------------------------------------------------------- meshes with Auto axes

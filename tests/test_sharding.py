@@ -69,6 +69,9 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
         ("group_norm_silu", lambda x, w, b: jaxbwd.group_norm(x, w, b, num_groups=4, activation="silu"),
          (r(8, 3, 5, 8), r(8), r(8)), (rows4, P(), P())),
         ("conv2d", lambda x, w: jaxbwd.conv2d(x, w, padding=1), (r(8, 5, 5, 4), r(3, 3, 4, 8)), (rows4, P())),
+        ("max_pool2d", lambda x: jaxbwd.max_pool2d(x, 2, strides=2, padding="SAME"), (r(8, 5, 5, 4),), (rows4,)),
+        # statistics over the sharded batch: per shard, averaged over the batch's mesh axes
+        ("batch_norm", lambda x, w, b: jaxbwd.batch_norm(x, w, b), (r(8, 3, 5, 8), r(8), r(8)), (rows4, P(), P())),
         ("upsample2d", lambda x: jaxbwd.upsample2d(x, 2, method="bilinear"), (r(8, 3, 5, 2),), (rows4,)),
         ("pixel_shuffle", lambda x: jaxbwd.pixel_shuffle(x, 2), (r(8, 3, 3, 8),), (rows4,)),
         ("unpatchify", lambda t: jaxbwd.unpatchify(t, grid=(2, 2), patch_size=2, channels=3), (r(8, 4, 12),), (rows,)),
@@ -120,6 +123,11 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
                  lambda q, k: jaxbwd.dot_product_attention(q.reshape(8, 8, 4, 8), k.reshape(8, 8, 2, 8),
                                                            k.reshape(8, 8, 2, 8), is_causal=True),
                  (r(8, 8, 32), r(8, 8, 16)), (P("data", None, "model"),) * 2, "gather")] if auto else []),
+            # masks on global element positions: the kernels run whole (explicit axes; under
+            # Auto axes XLA gathers around them itself)
+            *([("dropout", lambda x: jaxbwd.dropout(x, 0.3, rng=jax.random.key(3)), (x,), (rows,), "gather"),
+               ("bias_dropout_add", lambda x, b, h: jaxbwd.bias_dropout_add(x, b, h, 0.3, rng=jax.random.key(4)),
+                (x, b, r(8, 4, 32)), (rows, P(), rows), "gather")] if not auto else []),
             ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
              (q, r(8, 8, 1, 16), r(8, 8, 1, 16)), (heads, P("data"), P("data")), "gather"),
             # operands sharded differently (a residual stream beside a column-parallel
@@ -451,6 +459,34 @@ def test_ops_inside_vma_checked_shard_map():
             names = C.triton_kernel_names(C.lower_for_gpu(sharded(gpu, gpu.axis_names[0]), x, *ws))
         assert bool(names) == (name not in ("matmul", "residual_add")), \
             f"{name}: Pallas kernels lowered inside the vma-checked shard_map: {names}"  # those two have none
+
+
+
+def test_interpreted_kernels_under_vma_checking_fail_by_the_ops_name():
+    """JAX's Pallas interpreter cannot run inside a vma-checked shard_map; a kernel backward
+    there says so by the op's name (the GPU lowering is checked above), while an op whose
+    backward has no kernel (avg_pool2d, XLA by design) still runs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxbwd
+
+    if not hasattr(jax.lax, "pcast"):
+        pytest.skip("jax.lax.pcast absent in this jax")
+    cpu = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 4, 8))
+
+    def grad_in_shard_map(op):
+        body = jax.grad(lambda x: jax.lax.psum(jnp.sum(op(x)), "i"))
+        return jax.jit(jax.shard_map(body, mesh=cpu, in_specs=P("i"), out_specs=P("i"), check_vma=True))(x)
+
+    with jaxbwd.config.use(implementation="pallas", interpret=True):
+        with pytest.raises(NotImplementedError, match=r"jaxbwd\.rms_norm: the Pallas backward cannot run in "
+                                                      r"interpret mode inside a jax\.shard_map with check_vma=True"):
+            grad_in_shard_map(lambda x: jaxbwd.rms_norm(x, jnp.ones(8)))
+        got = grad_in_shard_map(lambda x: jaxbwd.avg_pool2d(x, 2))
+    assert jnp.allclose(got, jax.grad(lambda x: jnp.sum(jaxbwd.avg_pool2d(x, 2)))(x))
 
 
 if __name__ == "__main__":

@@ -92,15 +92,39 @@ _FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode diffe
 
 
 # ----------------------------------------------------------------- the XLA twin of a rule
-def _xla_twin(value):
-    """``value`` with every :class:`Impl` switched to the XLA implementation (else None)."""
+def _impl_of(value) -> Optional[B.Impl]:
+    """The :class:`Impl` a nondiff argument is or carries as its ``impl`` field, else None."""
     if isinstance(value, B.Impl):
-        return dataclasses.replace(value, kind="xla") if value.pallas else None
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         impl = getattr(value, "impl", None)
-        if isinstance(impl, B.Impl) and impl.pallas:
-            return dataclasses.replace(value, impl=dataclasses.replace(impl, kind="xla"))
+        return impl if isinstance(impl, B.Impl) else None
     return None
+
+
+def _xla_twin(value):
+    """``value`` with every :class:`Impl` switched to the XLA implementation (else None)."""
+    impl = _impl_of(value)
+    if impl is None or not impl.pallas:
+        return None
+    xla = dataclasses.replace(impl, kind="xla")
+    return xla if value is impl else dataclasses.replace(value, impl=xla)
+
+
+def _interpreted_under_vma(name: str, bwd: Callable) -> Callable:
+    """``bwd``, or, where it runs a Pallas kernel, an error by the op's name: JAX's Pallas
+    interpreter builds index arrays that do not vary over the manual axes of a vma-checked
+    shard_map, and the checker rejects them deep inside (a GPU lowers the same kernels)."""
+    def checked(res, ct):
+        if "pallas_call" not in str(jax.make_jaxpr(bwd)(res, ct)):
+            return bwd(res, ct)
+        raise NotImplementedError(
+            f"jaxbwd.{name}: the Pallas backward cannot run in interpret mode inside a "
+            "jax.shard_map with check_vma=True (JAX's Pallas interpreter does not track varying "
+            "manual axes); use check_vma=False, implementation='xla', or a GPU, where the kernels lower"
+        )
+
+    return checked
 
 
 def _differentiable(rule: Callable, nondiff: tuple) -> Callable:
@@ -424,20 +448,21 @@ class custom_op:
         # Inside a vma-checked shard_map, operands vary over the same manual axes, as JAX's
         # own primitives make them: AD then transposes the cast of an invariant weight into
         # the psum of its gradient, which the bwd rule computes per device.
-        dyn, _ = S.vary_together(dyn)
-        if not _HAVE_HIJAX:
-            return self._call_custom_vjp(nondiff, dyn)
-        dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
+        dyn, vma = S.vary_together(dyn)
         rules = self._rules(nondiff)
+        impls = [i for i in map(_impl_of, nondiff) if i is not None]
+        if vma is not None and any(i.pallas and i.interpret for i in impls):
+            rules = dataclasses.replace(rules, bwd=_interpreted_under_vma(self.name, rules.bwd))
+        if not _HAVE_HIJAX:
+            return self._call_custom_vjp(rules, dyn)
+        dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
         in_avals = [None if a is None else jax.typeof(a) for a in dyn]
         # Traced (not eval_shape) so that the output's aval keeps the inputs' varying manual
         # axes inside a vma-checked shard_map.
         out_aval = jax.make_jaxpr(rules.primal)(*dyn).out_avals[0]
         return _Op(rules, in_avals, out_aval)(*dyn)
 
-    def _call_custom_vjp(self, nondiff, dyn):
-        rules = self._rules(nondiff)
-
+    def _call_custom_vjp(self, rules, dyn):
         def primal(*a):
             return rules.primal(*a)
 

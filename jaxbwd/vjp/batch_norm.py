@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbwd import sharding as S
 from jaxbwd.pallas import batch_norm as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
@@ -174,7 +175,14 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         rstd = jax.lax.rsqrt(_cf(running_var) + eps)
         y2 = ((_cf(x2) - _cf(running_mean)) * rstd * _cf(weight) + _cf(bias)).astype(x.dtype)
         return _restore(y2, xm, axis)
-    y = _restore(_bn(x2, weight, bias, eps, axis_name, impl), xm, axis)
+    # Rows sharded over explicit mesh axes run per shard, the statistics averaged over those
+    # axes too (as axis_name's); with equal shards the mean of shard means is the mean.
+    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+    def per_shard(x2, w, b, axes):
+        return _bn(x2, w, b, eps, (names + tuple(axes)) or None, impl)
+
+    y = _restore(S.partitioned("rC,C,C->rC", per_shard, x2, weight, bias, axes_of="r"), xm, axis)
     if running_mean is None:
         return y
     # The same reduction as the op's forward; under jit XLA computes it once (CSE).

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbwd import sharding as S
 from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import dropout as kernels
 from jaxbwd.vjp import _base as B
@@ -124,7 +125,10 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     key = _key_words(op, rng)
     if rate == 1.0:
         return jnp.zeros_like(x)
-    return _dropout(x, key, rate, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    if impl.pallas:  # the mask is defined on global element positions: the kernel runs whole
+        return S.whole(lambda x, key: _dropout(x, key, rate, impl), x, key)
+    return _dropout(x, key, rate, impl)
 
 
 # --------------------------------------------------------------------- bias_dropout_add
@@ -218,4 +222,6 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     key = _key_words(op, rng)
     if rate == 1.0:
         return residual
+    if impl.pallas:  # as dropout's
+        return S.whole(lambda x, b, r, key: _bias_dropout_add(x, b, r, key, rate, impl), x, bias, residual, key)
     return _bias_dropout_add(x, bias, residual, key, rate, impl)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxbwd import sharding as S
 from jaxbwd.pallas import pooling as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
@@ -191,7 +192,9 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
     """
     op = "max_pool2d"
     geom = _geometry(op, x, window_shape, strides, padding)
-    return _max_pool(x, geom, B.impl(implementation, op, x))
+    impl = B.impl(implementation, op, x)
+    # Windows never cross samples or channels: those may stay sharded.
+    return S.partitioned("nHWc->nPQc", lambda x: _max_pool(x, geom, impl), x)
 
 
 # ---------------------------------------------------------------------------- avg_pool2d
