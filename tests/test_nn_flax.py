@@ -190,6 +190,14 @@ def test_rms_norm_weight_offset_needs_kernel_path():
     chex.assert_trees_all_close(y, fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="jaxbwd.nn.RMSNorm: weight_offset"):
         jnn.RMSNorm(weight_offset=1.0, reduction_axes=1).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"jaxbwd.nn.RMSNorm: weight_offset .* got .*epsilon=0.0"):
+        jnn.RMSNorm(weight_offset=1.0, epsilon=0.0).init(jax.random.PRNGKey(0), x)
+    # nnx: the same extra (Gemma's 1 + scale, scale initialised to zeros)
+    zeros = nnx.initializers.zeros_init()
+    y = jnnx.RMSNorm(8, weight_offset=1.0, scale_init=zeros, rngs=nnx.Rngs(0))(x)
+    chex.assert_trees_all_close(y, nnx.RMSNorm(8, use_scale=False, rngs=nnx.Rngs(0))(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="jaxbwd.nn.nnx.RMSNorm: weight_offset"):
+        jnnx.RMSNorm(8, weight_offset=1.0, reduction_axes=1, rngs=nnx.Rngs(0))(x)
 
 
 # ---------------------------------------------------------------------- dense, embed
@@ -670,13 +678,16 @@ def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
     chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
 
 
-def test_linen_attention_fn_integer_bias_and_wide_heads_follow_flax():
+def test_attention_fns_integer_bias_and_wide_heads_follow_flax():
     """A bool bias is added as 0/1, as flax adds it; head dims past the Pallas kernels' 256
     run the XLA path under a Pallas default (flax computes them)."""
     q = _rand((1, 4, 2, 8))
     b = jnp.asarray(np.random.default_rng(0).random((1, 2, 4, 4)) > 0.5)
     chex.assert_trees_all_close(jnn.dot_product_attention(q, q, q, bias=b), fnn.dot_product_attention(q, q, q, bias=b),
                                 atol=1e-6)
+    for bias in (b, jnp.asarray(np.random.default_rng(1).integers(-2, 3, (1, 2, 4, 4)), jnp.int32)):
+        chex.assert_trees_all_close(jnnx.dot_product_attention(q, q, q, bias=bias),
+                                    nnx.dot_product_attention(q, q, q, bias=bias), atol=1e-6)
     wide = _rand((1, 4, 1, 264))
     with jaxbwd.config.use(implementation="pallas"):
         chex.assert_trees_all_close(jnn.dot_product_attention(wide, wide, wide),
@@ -759,6 +770,19 @@ def test_batch_norm_running_statistics_dtype_as_flax(x_dtype):
             stats.append(v["batch_stats"])
     chex.assert_trees_all_equal_dtypes(*stats)
     chex.assert_trees_all_close(*stats, rtol=1e-6 if x_dtype == jnp.float64 else 1e-5, atol=1e-6)
+
+
+def test_batch_norm_of_an_empty_batch_is_flax_s():
+    """flax normalises an empty batch to an empty result (the op needs one element per
+    channel for its statistics): the modules run flax's code there."""
+    x = jnp.zeros((0, 4, 4, 8))
+    v = fnn.BatchNorm(use_running_average=False).init(jax.random.PRNGKey(0), x)
+    got, new = jnn.BatchNorm(use_running_average=False).apply(v, x, mutable=["batch_stats"])
+    want, new_want = fnn.BatchNorm(use_running_average=False).apply(v, x, mutable=["batch_stats"])
+    chex.assert_trees_all_equal((got, new), (want, new_want))
+    ours, theirs = jnnx.BatchNorm(8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(ours(x), theirs(x))
+    chex.assert_trees_all_equal((ours.mean[...], ours.var[...]), (theirs.mean[...], theirs.var[...]))
 
 
 @pytest.mark.parametrize("make", [

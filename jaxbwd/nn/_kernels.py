@@ -45,6 +45,18 @@ def last_axis_stats(mod, x, mask, *dtypes) -> bool:
             and real(x, *dtypes))
 
 
+def refuse_weight_offset(module: str, mod, x, mask) -> None:
+    """RMSNorm's ``weight_offset`` off the kernel path (flax's code has none): a ValueError
+    naming the configuration that left it."""
+    raise ValueError(
+        f"jaxbwd.{module}: weight_offset needs the kernel path (reduction_axes and feature_axes the last "
+        f"axis, no mask or axis_name, epsilon > 0, force_float32_reductions=True, real dtypes), got "
+        f"reduction_axes={mod.reduction_axes!r}, feature_axes={mod.feature_axes!r}, mask "
+        f"{'given' if mask is not None else 'None'}, axis_name={mod.axis_name!r}, epsilon={mod.epsilon!r}, "
+        f"force_float32_reductions={getattr(mod, 'force_float32_reductions', True)!r}, x {jnp.result_type(x)}"
+    )
+
+
 def check_activation(module: str, activation) -> None:
     """GroupNorm's fused ``activation``: None or "silu" (ValueError naming ``module`` otherwise)."""
     if activation not in (None, "silu"):
@@ -262,3 +274,11 @@ def attention_implementation(impl: Optional[str]):
 def attention_impl() -> Optional[str]:
     """The calling MultiHeadAttention module's implementation (None outside one)."""
     return _ATTENTION_IMPL.get()
+
+
+def float_bias(bias, dtype):
+    """An attention bias as the op takes it: flax adds a bool or integer bias to its float
+    weights as 0/1 (or the integers), so such a bias is cast to ``dtype``."""
+    if bias is not None and not jnp.issubdtype(jnp.result_type(bias), jnp.inexact):
+        return jnp.asarray(bias).astype(dtype)
+    return bias

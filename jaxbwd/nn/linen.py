@@ -57,9 +57,7 @@ class RMSNorm(_Impl, fnn.RMSNorm):
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         if not K.last_axis_stats(self, x, mask, self.param_dtype, self.dtype):
             if self.weight_offset:
-                raise ValueError("jaxbwd.nn.RMSNorm: weight_offset needs the kernel path (last-axis reduction and "
-                                 f"features, no mask or axis_name), got reduction_axes={self.reduction_axes!r}, "
-                                 f"feature_axes={self.feature_axes!r}")
+                K.refuse_weight_offset("nn.RMSNorm", self, x, mask)
             return super().__call__(x, mask=mask)
         scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype) if self.use_scale else None
         out = canonicalize_dtype(x, scale, dtype=self.dtype)
@@ -206,9 +204,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
             query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
             precision, module, force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
             attn_weights_value_einsum)
-    # flax adds a bool or integer bias to its float weights as 0/1 (or the integers).
-    if bias is not None and not jnp.issubdtype(jnp.result_type(bias), jnp.inexact):
-        bias = jnp.asarray(bias).astype(query.dtype)
+    bias = K.float_bias(bias, query.dtype)
     # flax's masks are often float (make_attention_mask): nonzero takes part, as its jnp.where.
     out = jaxbwd.dot_product_attention(query, key, value, bias, None if mask is None else mask != 0,
                                        implementation=K.attention_impl())
@@ -349,7 +345,7 @@ class BatchNorm(_Impl, fnn.BatchNorm):
     ``batch_stats`` ``mean``, ``var`` [C] (float32; an update promotes them as flax's does,
     to float64 for float64 inputs), updated as flax (not while initialising).
 
-    Kernel path (:func:`jaxbwd.batch_norm`): an int ``axis``, no ``mask``, no
+    Kernel path (:func:`jaxbwd.batch_norm`): a non-empty x, an int ``axis``, no ``mask``, no
     ``axis_index_groups``, ``force_float32_reductions=True``, ``epsilon > 0``;
     ``axis_name`` is supported (cross-device statistics); ``use_scale``/``use_bias=False``
     run with a unit weight / zero bias; ``use_fast_variance`` as :class:`LayerNorm` (two-pass
@@ -368,7 +364,7 @@ class BatchNorm(_Impl, fnn.BatchNorm):
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         if not (isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
                 and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2
-                and 0 <= self.momentum <= 1 and K.real(x, self.param_dtype, self.dtype)):
+                and jnp.size(x) > 0 and 0 <= self.momentum <= 1 and K.real(x, self.param_dtype, self.dtype)):
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = fnn.module.merge_param("use_running_average", self.use_running_average, use_running_average)
         c = x.shape[self.axis]

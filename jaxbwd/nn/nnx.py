@@ -46,21 +46,29 @@ class RMSNorm(nnx.RMSNorm, _Impl):
     are first promoted by the module's ``promote_dtype`` (``dtype``), as flax. Otherwise
     flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Zhang & Sennrich (2019).
 
-    Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
-    kernel path those of :func:`jaxbwd.rms_norm` (TypeError for float64 with
-    ``implementation="pallas"``); flax's own on flax's path.
+    Extra: ``weight_offset=1.0`` gives Gemma's ``(1 + scale)`` (pass ``scale_init`` zeros);
+    kernel path only (ValueError otherwise).
+
+    Errors: ValueError for an unknown ``implementation`` (when the module is built), for
+    ``weight_offset`` off the kernel path; on the kernel path those of
+    :func:`jaxbwd.rms_norm` (TypeError for float64 with ``implementation="pallas"``); flax's
+    own on flax's path.
     """
 
-    def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
+    def __init__(self, *args, weight_offset: float = 0.0, implementation: Optional[str] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.weight_offset = weight_offset
         self._set_impl(implementation)
 
     def __call__(self, x, mask: Optional[jax.Array] = None):
         if not K.last_axis_stats(self, x, mask, self.dtype, _value(self.scale)):
+            if self.weight_offset:
+                K.refuse_weight_offset("nn.nnx.RMSNorm", self, x, mask)
             return super().__call__(x, mask=mask)
         x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale) if a is not None])
-        return K.rms_norm(x, scale, eps=self.epsilon, weight_offset=0.0, out_dtype=out, impl=self.implementation)
+        return K.rms_norm(x, scale, eps=self.epsilon, weight_offset=self.weight_offset, out_dtype=out,
+                          impl=self.implementation)
 
 
 class LayerNorm(nnx.LayerNorm, _Impl):
@@ -243,6 +251,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                                          deterministic, dtype, precision, module, promote_dtype, is_causal)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    bias = K.float_bias(bias, query.dtype)
     shape = query.shape
     if query.ndim > 4:
         flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
@@ -371,7 +380,7 @@ class Upsample(nnx.Module, _Impl):
 class BatchNorm(nnx.BatchNorm, _Impl):
     """``flax.nnx.BatchNorm`` (same constructor); kernel path :func:`jaxbwd.batch_norm`.
 
-    Kernel path: an int ``axis``, x of rank >= 2, no ``mask``, no ``axis_index_groups``,
+    Kernel path: an int ``axis``, x of rank >= 2 and not empty, no ``mask``, no ``axis_index_groups``,
     static ``epsilon > 0`` and ``momentum`` in [0, 1]; ``axis_name`` is supported
     (cross-device statistics); ``use_scale``/``use_bias=False`` run with a unit weight / zero
     bias. As flax: x, the running statistics and the parameters are promoted together by the
@@ -396,7 +405,7 @@ class BatchNorm(nnx.BatchNorm, _Impl):
         static = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         if not (use_ra is not None and isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
                 and static(self.epsilon) and self.epsilon > 0 and static(self.momentum) and 0 <= self.momentum <= 1
-                and jnp.ndim(x) >= 2 and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
+                and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, use_running_average, mask=mask)
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)
