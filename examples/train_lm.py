@@ -443,7 +443,8 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
     bar.close()
 
     final_bpb = evals[-1]["bits_per_byte"]
-    tok_s = tokens_per_step * (cfg.steps - 1) / max(t_train, 1e-9)
+    # The first step (compilation) is not timed: with one step there is nothing to time.
+    tok_s = tokens_per_step * (cfg.steps - 1) / max(t_train, 1e-9) if cfg.steps > 1 else None
     metrics = {
         "config": dataclasses.asdict(cfg), "mesh": args.mesh, "axis_type": args.axis_type if args.mesh else None, "implementation": impl or jaxbwd.config.default_implementation(),
         "head": args.head,
@@ -456,7 +457,8 @@ def _train(args, cfg, impl, model, params, train, held, train_it, x0, y0, put, n
     _plot(history, evals, unigram, out / "loss.png")
 
     sample = generate(model, params, held[:cfg.seq_len // 2], 160, cfg.seq_len, jax.random.PRNGKey(1))
-    print(f"held-out {final_bpb:.3f} bits/byte vs unigram {unigram:.3f} ({tok_s:,.0f} tokens/s); wrote {out}/")
+    speed = "tokens/s n/a: one step, compilation" if tok_s is None else f"{tok_s:,.0f} tokens/s"
+    print(f"held-out {final_bpb:.3f} bits/byte vs unigram {unigram:.3f} ({speed}); wrote {out}/")
     if final_bpb >= unigram:
         print(f"note: {cfg.steps} steps were too few to beat the byte frequencies (unigram); the default "
               f"preset's {PRESETS['default'].steps} steps get well below them")

@@ -145,10 +145,13 @@ def main(argv=None) -> int:
     for flag, v in (("--steps", args.steps), ("--batch", args.batch)):
         if v < 1:
             p.error(f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--lr", args.lr), ("--adv-weight", args.adv_weight)):
+        if not (math.isfinite(v) and v > 0):
+            p.error(f"{flag} must be a positive number, got {v}")
     if args.crop < 2 or args.crop % 2:
         p.error(f"--crop must be even and >= 2, got {args.crop}")
-    if args.r1 is not None and (args.crop % 4 or args.r1 < 0):
-        p.error("--r1 needs GAMMA >= 0 and a --crop that is a multiple of 4 "
+    if args.r1 is not None and (args.crop % 4 or not args.r1 >= 0 or not math.isfinite(args.r1)):
+        p.error("--r1 needs a finite GAMMA >= 0 and a --crop that is a multiple of 4 "
                 f"(the discriminator downsamples twice), got GAMMA={args.r1}, --crop {args.crop}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: is a file, not a folder")

@@ -135,8 +135,8 @@ def _compile(args) -> int:
         print(f"error: compiling for a GPU without one needs {', '.join(missing)}.\n"
               f"Install: {deviceless.INSTALL_HINT}", file=sys.stderr)
         return 2
-    gpus = [g.strip() for g in args.gpu.split(",")]
-    dtypes = [_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",")]
+    gpus = list(dict.fromkeys(g.strip() for g in args.gpu.split(",")))  # repeats compile once
+    dtypes = list(dict.fromkeys(_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",")))
     cases = deviceless.cases(args.ops, dtypes=dtypes, gpus=gpus)
     if not cases:
         print("error: no Pallas kernels among the ops asked for", file=sys.stderr)
@@ -180,7 +180,10 @@ def _compile(args) -> int:
                 raise ValueError(problem)
         h, rows = deviceless.compare(args.baseline_report, report)
         print(f"\nchanges against {args.baseline}:")
-        print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
+        if rows:
+            print(_table(h, rows, width=None if args.wide else TABLE_WIDTH))
+        else:
+            print("none to show: no kernel of this run (op, case, dtype, gpu) is in the baseline")
     return 1 if report["failures"] or missing_k else 0
 
 
@@ -252,6 +255,13 @@ def main(argv=None) -> int:
         registry.ops(getattr(args, "ops", None))
     except (KeyError, ValueError) as e:  # an unknown op name, a clash, a bad module path: no traceback
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    from jaxbwd import config
+
+    try:  # the JAXBWD_* environment, read now rather than deep inside a run
+        config.interpret(), config.default_implementation()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     problem = _bad_arguments(args)
     if problem:
@@ -332,5 +342,10 @@ def _unwritable(path):
         return f"cannot be written ({e.strerror or e})"
     return None
 
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # stdout closed early (e.g. `| head`): quiet, as other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        sys.exit(1)

@@ -138,8 +138,19 @@ class Op:
              **more: Any):
         """This op's registry entry (:class:`jaxbwd.registry.OpSpec`), for :mod:`jaxbwd.testing`
         and ``python -m jaxbwd --ops module:ATTR``. ``examples``/``lowering``/``bad_inputs``
-        are :class:`jaxbwd.registry.Example`/``BadInput``; ``more`` are other OpSpec fields."""
+        are :class:`jaxbwd.registry.Example`/``BadInput``; ``more`` are other OpSpec fields.
+
+        Raises: ValueError for no ``examples`` (every check and benchmark starts from the
+        first), or for an op with ``kernels`` and no ``lowering`` shapes (what ``compile``
+        and the contract's lowering check compile)."""
         from jaxbwd import registry
+
+        if not examples:
+            raise ValueError(f"{self.name}.spec: examples must hold at least one Example (the checks, the "
+                             "contract and bench start from the first), got none")
+        if self.kernels and not lowering:
+            raise ValueError(f"{self.name}.spec: an op with kernels {self.kernels} needs lowering= shapes "
+                             "(Examples of ShapeDtypeStructs) to lower and compile them at, got none")
 
         more.setdefault("forward_mode", self.tangent is not None or self._fwd_rule is None)
         return registry.OpSpec(

@@ -822,7 +822,9 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
                 reader.join(timeout)
                 if reader.is_alive():
                     proc.kill()
-                    msg = {"case": case.id, "error": f"timed out after {timeout:.0f} s"}
+                    proc.wait()  # reaped, so that the next case starts a fresh worker
+                    proc = None
+                    msg = {"case": case.id, "error": f"timed out after {timeout:g} s"}
                 elif not answer or not answer[0]:
                     code = proc.wait()
                     msg = {"case": case.id, "error": f"the compile worker died (exit code {code})"}

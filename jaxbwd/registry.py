@@ -960,7 +960,8 @@ def load(path: str) -> list[str]:
 
     Raises:
       KeyError: the module or attribute cannot be found, or it holds no OpSpec.
-      ValueError: another op of the same name is already registered.
+      ValueError: another op of the same name is already registered, or one raised while
+        importing the module (its message, then the path).
     """
     import importlib
     import importlib.util
@@ -978,6 +979,8 @@ def load(path: str) -> list[str]:
             module = importlib.import_module(mod_name)
     except ImportError as e:
         raise KeyError(f"jaxbwd: cannot import {mod_name!r} for --ops {path}: {e}") from None
+    except ValueError as e:  # shown as one line by the CLI: say where it came from
+        raise ValueError(f"{e} (raised importing {mod_name!r} for --ops {path})") from e
     if not hasattr(module, attr):
         raise KeyError(f"jaxbwd: {mod_name} has no attribute {attr!r} (--ops {path})")
     value = getattr(module, attr)

@@ -208,10 +208,16 @@ def test_output_path_probe_leaves_things_as_they_were(tmp_path):
     ("train_superres", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("train_superres", ["--batch", "0"], "--batch must be >= 1, got 0"),
     ("train_superres", ["--crop", "-4"], "--crop must be even and >= 2, got -4"),
+    ("train_superres", ["--lr", "nan"], "--lr must be a positive number, got nan"),
+    ("train_superres", ["--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    ("train_superres", ["--adv-weight", "inf"], "--adv-weight must be a positive number, got inf"),
+    ("train_superres", ["--r1", "nan"], "--r1 needs a finite GAMMA >= 0 and a --crop that is a multiple of 4 "
+                                        "(the discriminator downsamples twice), got GAMMA=nan, --crop 48"),
     ("train_superres", ["--crop", "5000"], "--crop must be at most 300 (the smallest training image's side), got 5000"),
     ("train_superres", ["--out", "{tmp}/small.txt"], "--out {tmp}/small.txt: is a file, not a folder"),
 ], ids=["lm-data-missing", "lm-data-folder", "lm-data-small", "lm-max-bytes", "lm-out-file", "sr-steps", "sr-batch",
-        "sr-crop-negative", "sr-crop-large", "sr-out-file"])
+        "sr-crop-negative", "sr-lr-nan", "sr-lr-negative", "sr-adv-weight-inf", "sr-r1-nan", "sr-crop-large",
+        "sr-out-file"])
 def test_example_bad_arguments_are_argparse_errors(program, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "small.txt").write_text("hello")
     main = _example_main(program, monkeypatch)
@@ -227,7 +233,8 @@ def test_example_bad_arguments_are_argparse_errors(program, argv, message, tmp_p
     ("import jaxbwd\n"
      "op = jaxbwd.define_op('silu', forward=lambda x: x, backward=lambda r, d: (d,))\n"
      "SPEC = op.spec(reference=lambda x: x, examples=())\n",
-     "error: jaxbwd.define_op('silu'): 'silu' is one of jaxbwd's own ops; choose another name"),
+     "error: jaxbwd.define_op('silu'): 'silu' is one of jaxbwd's own ops; choose another name "
+     "(raised importing '{file}' for --ops {path})"),
     # a spec made by hand: the registry refuses it
     ("import dataclasses\n"
      "from jaxbwd import registry\n"
@@ -238,7 +245,18 @@ def test_user_op_named_like_a_builtin_is_one_line(module, message, tmp_path, cap
     (tmp_path / "clash.py").write_text(module)
     path = f"{tmp_path / 'clash.py'}:SPEC"
     assert cli.main(["list", "--ops", path]) == 2
-    assert capsys.readouterr().err.strip() == message.format(path=path)
+    assert capsys.readouterr().err.strip() == message.format(path=path, file=tmp_path / "clash.py")
+
+
+@pytest.mark.parametrize("var, value", [("JAXBWD_INTERPRET", "maybe"), ("JAXBWD_IMPLEMENTATION", "bogus")])
+def test_a_bad_environment_variable_is_one_line(var, value, monkeypatch, capsys):
+    from jaxbwd import config
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(config, "_default", None)  # read from the environment again
+    assert cli.main(["check", "--ops", "gelu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: jaxbwd: {var} must be") and err.endswith(f"got '{value}'")
 
 
 def test_an_op_named_twice_is_listed_once(capsys):

@@ -271,3 +271,52 @@ def test_linear_cross_entropy_head_memory_on_h200():
                                                         implementation="pallas"))
     assert unfused > T * V * 2  # at least the bf16 logits
     assert fused < 0.05 * unfused, (fused / 2**20, unfused / 2**20)
+
+
+SLOW_OP = '''
+import time
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+import jaxbwd
+from jaxbwd.registry import Example
+
+
+def fwd(x):
+    if x.shape[0] == 4096:  # this case's compile hangs
+        time.sleep(600)
+    return x * x
+
+
+def kernel(x_ref, dy_ref, dx_ref):
+    dx_ref[...] = 2 * x_ref[...] * dy_ref[...]
+
+
+def pallas_bwd(res, dy, *, interpret):
+    b = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+    return (pl.pallas_call(kernel, name="hang_test_bwd", grid=(res[0].shape[0] // 8, res[0].shape[1] // 128),
+                           in_specs=[b, b], out_specs=b, out_shape=jax.ShapeDtypeStruct(dy.shape, dy.dtype),
+                           interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=4))(res[0], dy),)
+
+
+op = jaxbwd.define_op("hang_test", forward=fwd, backward=lambda res, dy: (2 * res[0] * dy,),
+                      pallas_backward=pallas_bwd, kernels=("hang_test_bwd",))
+SPEC = op.spec(reference=lambda x: x * x, examples=[Example("8x128", lambda k, dt: ((jnp.ones((8, 128), dt),), {}))],
+               lowering=[Example(f"{r}x1024", lambda k, d, r=r: ((jax.ShapeDtypeStruct((r, 1024), jnp.float32),), {}))
+                         for r in (4096, 1024)])
+'''
+
+
+@needs_compiler
+def test_a_timed_out_case_does_not_fail_the_next(tmp_path, monkeypatch):
+    """The worker of a timed-out case is killed; the next case gets a fresh one (it was sent
+    to the killed process and reported as a crash)."""
+    (tmp_path / "hang.py").write_text(SLOW_OP)
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    monkeypatch.setenv(registry.LOADED_ENV, "")
+    registry.load(f"{tmp_path / 'hang.py'}:SPEC")
+    case_list = deviceless.cases(["hang_test"], dtypes=("float32",), gpus=("h200",))
+    assert [c.shape_name for c in case_list] == ["4096x1024", "1024x1024"]
+    report = deviceless.run(case_list, jobs=1, timeout=20)
+    assert report["failures"] == [{"case": case_list[0].id, "error": "timed out after 20 s"}]
+    assert {r["kernel"] for r in report["rows"]} == {"hang_test_bwd"}

@@ -81,11 +81,22 @@ def test_check_fails_a_pallas_path_that_runs_no_named_kernel():
     op = jaxbwd.define_op("fallback_test", forward=lambda x: 2.0 * x, backward=lambda r, d: (2.0 * d,),
                           pallas_backward=lambda r, d, *, interpret: (2.0 * d,), kernels=("fallback_test_bwd",))
     spec = op.spec(reference=lambda x: 2.0 * x,
-                   examples=(registry.Example("4", lambda k, dt: ((jnp.ones((4,), dt),), {})),))
+                   examples=(registry.Example("4", lambda k, dt: ((jnp.ones((4,), dt),), {})),),
+                   lowering=(registry.Example("4096", lambda k, d: ((jax.ShapeDtypeStruct((4096,), jnp.float32),), {})),))
     forward, grad = check_op(spec, "pallas")
     assert forward.ok and grad.max_rel == 0.0
     assert not grad.ok and grad.note == "no fallback_test_bwd in the backward"
     assert all(r.ok for r in check_op(spec, "xla"))
+
+
+def test_spec_needs_examples_and_lowering_shapes_for_kernels():
+    with pytest.raises(ValueError, match=r"cube_fwd_test.spec: examples must hold at least one Example"):
+        cube_fwd.spec(reference=lambda x: x ** 3, examples=())
+    op = jaxbwd.define_op("lowerless_test", forward=lambda x: x, backward=lambda r, d: (d,),
+                          pallas_backward=lambda r, d, *, interpret: (d,), kernels=("lowerless_test_bwd",))
+    with pytest.raises(ValueError, match=r"lowerless_test.spec: an op with kernels \('lowerless_test_bwd',\) "
+                                         r"needs lowering= shapes"):
+        op.spec(reference=lambda x: x, examples=CUBE_FWD.examples)
 
 
 def test_second_order_on_the_kernel_path():
