@@ -267,7 +267,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    return {"list": _list, "check": _check, "bench": _bench, "compile": _compile}[args.cmd](args)
+    try:
+        return {"list": _list, "check": _check, "bench": _bench, "compile": _compile}[args.cmd](args)
+    except BrokenPipeError:  # stdout closed early (e.g. `| head`): quiet, as other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -344,8 +348,4 @@ def _unwritable(path):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # stdout closed early (e.g. `| head`): quiet, as other Unix tools
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        sys.exit(1)
+    sys.exit(main())

@@ -305,9 +305,10 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
         and lowered).
       tangent: ``tangent(res, tangents, **static) -> out tangent``, linear in ``tangents``
         (one per array argument, ``None`` for integer ones). Default with no ``fwd``: the
-        JVP of ``forward``; with a ``fwd`` and no ``tangent``, forward mode raises
-        ``NotImplementedError`` naming the op (reverse mode, also through ``jax.checkpoint``
-        and ``lax.scan``, runs the backward).
+        JVP of ``forward``; with a ``fwd`` and no ``tangent``, computing a forward-mode
+        tangent (``jax.jvp``, applying ``jax.linearize``'s function, ``jax.jacfwd``) raises
+        ``NotImplementedError`` naming the op; reverse mode, also through ``jax.checkpoint``
+        and ``lax.scan``, runs the backward.
       check: ``check(*arrays, **static)`` raising ValueError/TypeError on bad input.
       sharding: an optional layout signature for ``jaxbwd.sharding.partitioned`` (e.g.
         ``"...->..."`` for elementwise ops, one input term per array argument, one output)

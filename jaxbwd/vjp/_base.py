@@ -124,9 +124,9 @@ def _check_host_index_fits(op: str, name: str, x: Any) -> None:
     info, lo, hi = np.iinfo(narrow), int(np.min(x)), int(np.max(x))
     if lo < info.min or hi > info.max:
         raise ValueError(
-            f"jaxbwd.{op}: {name} holds values in [{lo}, {hi}], outside {narrow.name}'s range, and JAX "
-            f"without jax_enable_x64 would wrap them to other indices; enable jax_enable_x64 or "
-            f"narrow them, got dtype {x.dtype.name}"
+            f"jaxbwd.{op}: {name} holds values in [{lo}, {hi}], outside {narrow.name}'s range, which JAX "
+            f"without jax_enable_x64 would wrap into it (2**32 + 1 becomes 1), changing them; enable "
+            f"jax_enable_x64 or pass values within {narrow.name}, got dtype {x.dtype.name}"
         )
 
 
