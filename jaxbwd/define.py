@@ -67,6 +67,8 @@ class Op:
         params = _check_hashable(self.name, static)
         run = lambda *a: self._op(params, impl, _avals(a), *a)  # noqa: E731
         if self.sharding is None:
+            if impl.pallas and all(a is not None for a in arrays):
+                return S.whole(run, *arrays)  # a kernel cannot take sharded operands: run whole
             return run(*arrays)
         if len(arrays) != self._sharding_inputs:
             raise TypeError(f"jaxbwd.{self.name}: its sharding signature {self.sharding!r} lays out "
@@ -313,7 +315,9 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
       sharding: an optional layout signature for ``jaxbwd.sharding.partitioned`` (e.g.
         ``"...->..."`` for elementwise ops, one input term per array argument, one output)
         so that sharded inputs run per shard. Calls then pass every array argument it lays
-        out, positionally (None for an absent optional one).
+        out, positionally (None for an absent optional one). Without one, under explicit mesh
+        axes the Pallas path gathers its operands and runs whole (``jaxbwd.sharding.whole``)
+        and the XLA path runs the formula as JAX partitions it.
 
     Returns:
       An :class:`Op`: ``op(*arrays, implementation=None, **static)``.

@@ -481,17 +481,19 @@ def whole(fn: Callable, *args) -> Any:
     For ops whose Pallas kernels do not run per shard yet: under explicit axes a kernel
     handed sharded operands fails to trace (sharded refs cannot be indexed), so each
     operand is resharded to replicated and the op runs as ``partitioned`` runs a replicated
-    one; the output is then sliced back to the first operand's layout (a local slice), which
-    it has the shape of. Under Auto axes XLA gathers around the kernel by itself, and
-    without a mesh there is nothing to gather: ``fn(*args)`` as is.
+    one (one array out); an output of the first operand's shape is then sliced back to that
+    operand's layout (a local slice), any other stays replicated. Under Auto axes XLA
+    gathers around the kernel by itself, and without a mesh there is nothing to gather:
+    ``fn(*args)`` as is.
     """
     if _explicit_mesh() is None and _operands_mesh(args) is None:
         return fn(*args)
     letters = iter("ABCDEFGHIJKLMNOPQRSTUVWXYZ" * 8)  # upper case: never split; may repeat
-    terms = ["".join(next(letters) for _ in range(a.ndim)) for a in args]
     with operands_mesh(*args):
-        out = partitioned(",".join(terms) + "->" + terms[0], fn, *args)
-        layout = spec(args[0])
+        shape = jax.eval_shape(fn, *args).shape
+        terms = ["".join(next(letters) for _ in range(n)) for n in [a.ndim for a in args] + [len(shape)]]
+        out = partitioned(",".join(terms[:-1]) + "->" + terms[-1], fn, *args)
+        layout = spec(args[0]) if tuple(shape) == tuple(args[0].shape) else None
         return out if layout is None else jax.sharding.reshard(out, layout)
 
 

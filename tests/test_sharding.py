@@ -31,6 +31,10 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
     (tensor parallel) or "gather" (a layout the op cannot split: an all-gather is expected)."""
     import jaxbwd
 
+    from examples import squared_relu as sq
+
+    unsigned = jaxbwd.define_op("squared_relu_unsigned", forward=sq._forward, backward=sq._backward,
+                                pallas_backward=sq._pallas_backward, kernels=("squared_relu_bwd",))
     k = iter(jax.random.split(jax.random.key(0), 64))
     r = lambda *s: jax.random.normal(next(k), s, jnp.float32)  # noqa: E731
     dp = ("data", "model") if ndim_mesh == 2 else "data"  # rows over the whole mesh
@@ -126,6 +130,8 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
             # masks on global element positions: the kernels run whole (explicit axes; under
             # Auto axes XLA gathers around them itself)
             *([("dropout", lambda x: jaxbwd.dropout(x, 0.3, rng=jax.random.key(3)), (x,), (rows,), "gather"),
+               # a user op with a kernel and no sharding signature: gathered, run whole
+               ("user_op_no_signature", lambda x: unsigned(x), (x,), (rows,), "gather"),
                ("bias_dropout_add", lambda x, b, h: jaxbwd.bias_dropout_add(x, b, h, 0.3, rng=jax.random.key(4)),
                 (x, b, r(8, 4, 32)), (rows, P(), rows), "gather")] if not auto else []),
             ("mqa_heads_sharded", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v),
