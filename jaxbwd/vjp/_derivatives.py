@@ -87,7 +87,7 @@ except ImportError:  # pragma: no cover - old JAX
 FORWARD_MODE = _HAVE_HIJAX
 """Whether forward-mode derivatives (jvp, linearize, jacfwd, hessian) are available."""
 
-_FORWARD_MODE = "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)"
+_FORWARD_MODE_WHAT = "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)"
 _FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
 
 
@@ -259,7 +259,7 @@ if _HAVE_HIJAX:
             # Without a tangent rule the map exists only transposed (reverse mode through
             # checkpoint or scan linearises the op); evaluating it forward is forward mode.
             if self.rules.tangent is None:
-                _unsupported(self.rules.name, _FORWARD_MODE)
+                _unsupported(self.rules.name, _FORWARD_MODE_WHAT)
             return self.rules.tangent(res, tangents)
 
         def transpose(self, out_ct, res, tangents):
@@ -280,7 +280,7 @@ if _HAVE_HIJAX:
                 parts.append(_Tangent(self.rules, *_avals_of(res, dts), self.out_aval)(res, dts))
             if not _all_zero(dres):
                 if self.rules.tangent is None:
-                    _unsupported(self.rules.name, _FORWARD_MODE)
+                    _unsupported(self.rules.name, _FORWARD_MODE_WHAT)
                 parts.append(jax.jvp(lambda r: self.rules.tangent(r, ts), (res,), (_inst_tree(dres),))[1])
             if not parts:
                 return out, _Zero(self.out_aval.to_tangent_aval())
