@@ -307,6 +307,7 @@ SPEC = op.spec(reference=lambda x: x * x, examples=[Example("8x128", lambda k, d
 '''
 
 
+@pytest.mark.compile
 @needs_compiler
 def test_a_timed_out_case_does_not_fail_the_next(tmp_path, monkeypatch):
     """The worker of a timed-out case is killed; the next case gets a fresh one (it was sent
