@@ -240,15 +240,18 @@ def test_environment_variable():
 # --------------------------------------------------------------------------- lowering
 @needs_mosaic
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(sliding_window=512, logit_softcap=30.0, segments=True),
-                                dict(is_causal=True, sliding_window=1024, logit_softcap=50.0, H=256)],
-                         ids=["causal", "window-softcap-segments", "gemma2-H256"])
+                                dict(is_causal=True, sliding_window=1024, logit_softcap=50.0, H=256),
+                                dict(is_causal=True, x64=True), dict(is_causal=True, H=256, x64=True)],
+                         ids=["causal", "window-softcap-segments", "gemma2-H256", "causal-x64", "H256-x64"])
 def test_lowers_for_cuda_at_realistic_shapes(kw):
     # T = 4096, head dim 128 (GQA 32:8) or 256 (Gemma 2's 16:8), bf16: the forward and the
     # backward kernels (dk and dv split at 256) become mosaic_gpu_v2 custom calls, emitted
-    # without a GPU.
+    # without a GPU. Under jax_enable_x64 the kernels' int32 grid indices meet int64 Python
+    # ints (a lax.div of the two failed before _mgpu.div).
     kw = dict(kw)
     segments = kw.pop("segments", False)
     H = kw.pop("H", 128)
+    x64 = kw.pop("x64", False)
     sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     q, k = (sds(1, 4096, 32, 128), sds(1, 4096, 8, 128)) if H == 128 else (sds(1, 4096, 16, H), sds(1, 4096, 8, H))
     seg = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
@@ -257,7 +260,7 @@ def test_lowers_for_cuda_at_realistic_shapes(kw):
         out = dot_product_attention(q, k, v, segment_ids=seg if segments else None, **kw)
         return out.astype(jnp.float32).sum()
 
-    with config.use(implementation="pallas", interpret=False, pallas_backend="mosaic"):
+    with config.use(implementation="pallas", interpret=False, pallas_backend="mosaic"), jax.enable_x64(x64):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == (3 if H == 128 else 4)

@@ -180,6 +180,18 @@ def when(cond):
     return pl.when(cond)
 
 
+# Grid and loop indices are int32, but under jax_enable_x64 a Python int divisor is int64, and
+# lax's integer ops take no mixed widths: the divisor takes the index's dtype.
+def div(a, b):
+    """Integer quotient of non-negative ``a`` by ``b`` (lax.div: truncating), in a's dtype."""
+    return lax.div(a, lax.convert_element_type(b, jnp.result_type(a)))
+
+
+def rem(a, b):
+    """Remainder of non-negative ``a`` by ``b``, in a's dtype."""
+    return lax.rem(a, lax.convert_element_type(b, jnp.result_type(a)))
+
+
 def ds(start, size: int):
     return pl.ds(start, size)
 
@@ -258,7 +270,7 @@ def produce(lo, hi, stages: int, sources, consumed) -> None:
 
     @pl.loop(lo, hi)
     def _(step):
-        slot = lax.rem(step - lo, stages)
+        slot = rem(step - lo, stages)
 
         @pl.when(step - lo >= stages)
         def _():
@@ -271,7 +283,7 @@ def produce(lo, hi, stages: int, sources, consumed) -> None:
     # barrier phase waited (no phase is left pending at exit).
     @pl.loop(jnp.maximum(lo, hi - stages), hi)
     def _(step):
-        plgpu.barrier_wait(consumed.at[lax.rem(step - lo, stages)])
+        plgpu.barrier_wait(consumed.at[rem(step - lo, stages)])
 
 
 # FA3's ping-pong schedule (Shah et al. 2024, Section 3.1): two consumer warpgroups take
@@ -295,7 +307,7 @@ def consume(lo, hi, stages: int, consumed, body: Callable, carry, base=None):
     base = lo if base is None else base
 
     def step_fn(step, carry):
-        slot = lax.rem(step - base, stages)
+        slot = rem(step - base, stages)
         carry = body(step, slot, carry)
         plgpu.barrier_arrive(consumed.at[slot])
         return carry

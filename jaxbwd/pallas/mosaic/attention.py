@@ -196,7 +196,7 @@ def _consume_kv(d: Dims, qi, cta: int, lo, hi, bk: int, st: int, consumed, step,
     else:
         mid = d.S // bk
         if d.causal:
-            mid = jnp.minimum(mid, lax.div(qi * cta, bk))
+            mid = jnp.minimum(mid, M.div(qi * cta, bk))
         mid = jnp.clip(mid, lo, hi)
     carry = M.consume(lo, mid, st, consumed, functools.partial(step, masked=False), carry, base=lo)
     return M.consume(mid, hi, st, consumed, step, carry, base=lo)
@@ -224,7 +224,7 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
      schedule) = scratch
     bk, st = p.bk, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
-    kvh = lax.div(n, d.G)
+    kvh = M.div(n, d.G)
     cta, nc = p.cta_rows, p.consumers
     lo, hi = TA._kv_range(d, qi * cta, cta, bk)
     wg = M.wg_index()
@@ -351,7 +351,7 @@ def _dq_body(*refs, d: Dims, p: _Plan):
      q_bar, k_bar, v_bar, ks_bar, consumed) = scratch
     bk, st = p.bk_bwd, p.stages
     qi, n, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
-    kvh = lax.div(n, d.G)
+    kvh = M.div(n, d.G)
     cta, nc = p.cta_rows, p.consumers
     lo, hi = TA._kv_range(d, qi * cta, cta, bk)
     wg = M.wg_index()
@@ -433,8 +433,8 @@ def _dkdv_body(*refs, d: Dims, p: _Plan, part: str):
     nq = jnp.maximum(qhi - qlo, 0)
     # One flat stream over (query head g of the group, query block i): step -> (g, i).
     lo, hi = 0, d.G * nq
-    head = lambda step: kvh * d.G + lax.div(step, jnp.maximum(nq, 1))
-    qblk = lambda step: qlo + lax.rem(step, jnp.maximum(nq, 1))
+    head = lambda step: kvh * d.G + M.div(step, jnp.maximum(nq, 1))
+    qblk = lambda step: qlo + M.rem(step, jnp.maximum(nq, 1))
     wg = M.wg_index()
 
     @M.when(wg == nc)
