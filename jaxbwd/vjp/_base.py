@@ -48,12 +48,27 @@ def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool 
     fallback. ``arrays`` must hold every floating operand for that; ``float64_kernels=True``
     (user ops, whose kernels are their author's) skips the rule.
 
+    Symbolic shapes (``jax.export`` shape polymorphism) take the XLA formulas as well: a
+    kernel's grid and tiles are fixed when it is lowered. Asking for the kernels by name
+    with such inputs is an error.
+
     Raises:
-      ValueError: an unknown implementation name.
+      ValueError: an unknown implementation name; ``implementation="pallas"`` with an input of
+        symbolic shape.
       TypeError: ``implementation="pallas"`` (or ``"pallas:<backend>"``) with a float64 input.
     """
     kind = config.resolve(implementation, op)
     arrays = [a for a in arrays if a is not None]  # optional operands (a bias, weights)
+    symbolic = next((a for a in arrays if not is_static_shape(getattr(a, "shape", ()))), None)
+    if kind == "pallas" and symbolic is not None:
+        if implementation is not None:
+            raise ValueError(
+                f"jaxbwd.{op}: implementation={implementation!r} needs static shapes (a kernel's "
+                f"grid is fixed when it is lowered), got an input of symbolic shape "
+                f"{tuple(symbolic.shape)}; use implementation='xla' (or None) to export with "
+                "symbolic shapes"
+            )
+        kind = "xla"
     if any(getattr(a, "size", 1) == 0 for a in arrays):
         kind = "xla"
     # canonicalised: a NumPy float64 array is float32 to jax unless x64 is on
@@ -76,6 +91,17 @@ def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool 
         last_dim = first.shape[-1] if first is not None and first.ndim else None
         backend = config.resolve_pallas_backend(implementation, op, dtype, C.sm_version(), last_dim)
     return Impl(kind, config.interpret(), backend)
+
+
+def is_static_shape(shape: Sequence[Any]) -> bool:
+    """False if any dimension is symbolic (``jax.export.symbolic_shape``)."""
+    return all(isinstance(d, (int, np.integer)) for d in shape)
+
+
+def require_static(op: str, what: str, dims: Sequence[Any], why: str) -> None:
+    """Raises ValueError naming ``op`` when one of ``dims`` is symbolic."""
+    if not is_static_shape(dims):
+        raise ValueError(f"jaxbwd.{op}: {what} must be static, got {tuple(dims)} (symbolic); {why}")
 
 
 def check_nonempty_axis(op: str, name: str, x: Any, axis: int, what: str) -> None:

@@ -48,6 +48,8 @@ def _dims(q, k, cfg: _Cfg) -> kernels.Dims:
 
 # ------------------------------------------------------------------------------ XLA path
 def _xla_blocks(S: int):
+    if not B.is_static_shape((S,)):  # jax.export with a symbolic key length: one block of S
+        return S, 1
     bk = min(S, XLA_BLOCK)
     nb = -(-S // bk)
     return bk, nb

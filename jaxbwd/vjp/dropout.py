@@ -45,6 +45,10 @@ def _check_rate(op, rate, deterministic) -> float:
     return rate
 
 
+_STATIC_WHY = ("the mask hashes each element's position in a static 2-D view (with deterministic=True "
+               "or rate 0 the op exports with symbolic shapes)")
+
+
 def keep_mask(key, shape, rate, view=None):
     """The boolean keep mask of an array of ``shape`` on its [rows, cols] ``view`` (default
     ``C.as_2d``, the elementwise kernels' view), in XLA; the kernels compute the same."""
@@ -112,7 +116,8 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
 
     Raises:
       TypeError: x not floating; rate or deterministic not static.
-      ValueError: rate outside [0, 1]; rng missing or not a threefry key; unknown implementation.
+      ValueError: rate outside [0, 1]; rng missing or not a threefry key; unknown implementation;
+        x of symbolic shape (``jax.export``) with 0 < rate < 1 and not deterministic.
 
     Source: Srivastava et al., "Dropout: A Simple Way to Prevent Neural Networks from
     Overfitting" (JMLR 2014), inverted-dropout scaling; hash: lowbias32 (Wellons 2018).
@@ -125,6 +130,7 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     key = _key_words(op, rng)
     if rate == 1.0:
         return jnp.zeros_like(x)
+    B.require_static(op, "x's shape", x.shape, _STATIC_WHY)
     impl = B.impl(implementation, op, x)
     if impl.pallas:  # the mask is defined on global element positions: the kernel runs whole
         return S.whole(lambda x, key: _dropout(x, key, rate, impl), x, key)
@@ -200,7 +206,8 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
         static.
       ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1]; rng
         missing or not a threefry key; rows (the product of x's leading dims) >= 2**31;
-        unknown implementation.
+        unknown implementation; x of symbolic shape (``jax.export``) with 0 < rate < 1 and
+        not deterministic.
 
     Source: Megatron-LM's fused bias-dropout-add (Shoeybi et al. 2019); dropout as
     Srivastava et al. (JMLR 2014), inverted scaling.
@@ -214,14 +221,15 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     B.check_shape(op, "residual", residual, x.shape, what="(x's shape)")
     B.check_same_dtype(op, ("x", "residual"), (x, residual))
     rate = _check_rate(op, rate, deterministic)
-    impl = B.impl(implementation, op, x)
-    C.check_index_range(op, rows=_bias_view(x.shape)[0])
     if deterministic or rate == 0.0:
         h = linear.bias_add(x, bias, implementation=implementation)
         return linear.residual_add(h, residual, implementation=implementation)
     key = _key_words(op, rng)
     if rate == 1.0:
         return residual
+    B.require_static(op, "x's shape", x.shape, _STATIC_WHY)
+    impl = B.impl(implementation, op, x)
+    C.check_index_range(op, rows=_bias_view(x.shape)[0])
     if impl.pallas:  # as dropout's
         return S.whole(lambda x, b, r, key: _bias_dropout_add(x, b, r, key, rate, impl), x, bias, residual, key)
     return _bias_dropout_add(x, bias, residual, key, rate, impl)

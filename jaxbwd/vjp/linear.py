@@ -11,7 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbwd.pallas import linear as kernels
 from jaxbwd.vjp import _base as B
@@ -215,7 +214,7 @@ def residual_add(a, b, *, implementation=None):
     B.check_float(op, "a", a)
     B.check_float(op, "b", b)
     try:
-        np.broadcast_shapes(a.shape, b.shape)
+        jnp.broadcast_shapes(a.shape, b.shape)  # symbolic dims (jax.export) too
     except ValueError:
         raise ValueError(
             f"jaxbwd.residual_add: a and b must have broadcastable shapes, got {tuple(a.shape)} and {tuple(b.shape)}"

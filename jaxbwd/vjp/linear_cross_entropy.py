@@ -322,7 +322,8 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
       ValueError: x of rank 0, w not rank 2 or not matching x's D, an empty vocabulary,
         labels' or weights' shape not x.shape[:-1], label_smoothing outside [0, 1] or
         z_loss < 0 (either not finite), logit_softcap <= 0 or not finite, unknown
-        reduction or implementation.
+        reduction or implementation; x of symbolic shape (``jax.export``: the XLA path
+        sizes its token chunks from the token count).
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR
     2025): logits recomputed blockwise from x and w, only the lse stored; the gradient
@@ -361,6 +362,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         raise ValueError(f"jaxbwd.{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
 
     dtype = jnp.result_type(x, w)
+    B.require_static(op, "x's shape", x.shape, "the logits are computed in chunks sized from the token count")
     PC.check_index_range(op, tokens=int(np.prod(x.shape[:-1])), D=D, V=V)
     impl = B.impl(implementation, op, x, w, weights)
 
