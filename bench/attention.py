@@ -8,7 +8,7 @@ backward as 2.5x the forward (the FlashAttention-2 convention), and the residual
 each keeps for the backward. Without a GPU, jaxbwd runs its blockwise XLA path and the
 sizes shrink to what a CPU finishes in seconds.
 
-    python bench/attention.py [--json PATH]
+    python bench/attention.py [--json PATH] [--repeats N] [--seqs T ...]
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import jaxbwd
 from jaxbwd import reference
 from jaxbwd.bench import median_time
 
+import _cli  # bench/_cli.py: this script's folder is first on sys.path
+
 
 def _residual_bytes(f, *args):
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(jax.vjp(f, *args)[1])
@@ -31,13 +33,18 @@ def _residual_bytes(f, *args):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=_cli.description(__doc__))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per case; the median is reported (default 10)")
+    p.add_argument("--seqs", type=int, nargs="+", metavar="T",
+                   help="sequence lengths (default 1024 4096 8192 on a GPU, 256 1024 elsewhere)")
     args = p.parse_args(argv)
+    problem = _cli.bad_arguments(args)
+    if problem:  # before the timing, not after it
+        return _cli.refuse(p.prog, problem)
     on_gpu = jax.default_backend() == "gpu"
     B, N, H = (2, 16, 128) if on_gpu else (1, 4, 64)
-    seqs = (1024, 4096, 8192) if on_gpu else (256, 1024)
+    seqs = args.seqs or ((1024, 4096, 8192) if on_gpu else (256, 1024))
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     impls = {
         "jaxbwd": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
@@ -46,6 +53,7 @@ def main(argv=None) -> int:
             q, k, v, is_causal=True, implementation="cudnn" if on_gpu else None),
         "jax.nn-xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
     }
+    w = max(map(len, impls))  # the name column fits the longest name ("jax.nn-xla")
     rows = []
     print(f"attention fwd+bwd, B={B}, N={N}, H={H}, {jnp.dtype(dtype).name}, causal, "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -59,12 +67,12 @@ def main(argv=None) -> int:
                 t = median_time(step, q, k, v, do, repeats=args.repeats, warmup=1)
             except Exception as e:  # e.g. cuDNN missing or out of memory at 8k for autodiff
                 rows.append({"T": T, "impl": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                print(f"T={T:5d} {name:9s} failed: {type(e).__name__}")
+                print(f"T={T:5d} {name:{w}s} failed: {type(e).__name__}")
                 continue
             res = _residual_bytes(f, q, k, v)
             row = {"T": T, "impl": name, "ms": t * 1e3, "tflop_s": 3.5 * fwd_flops / t / 1e12, "residual_mib": res / 2**20}
             rows.append(row)
-            print(f"T={T:5d} {name:9s} {row['ms']:9.3f} ms  {row['tflop_s']:7.2f} TFLOP/s  residuals {row['residual_mib']:9.1f} MiB")
+            print(f"T={T:5d} {name:{w}s} {row['ms']:9.3f} ms  {row['tflop_s']:7.2f} TFLOP/s  residuals {row['residual_mib']:9.1f} MiB")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,

@@ -6,7 +6,9 @@ Gemma 2's N=16 over K=8 at H=256 (where the Mosaic backward splits dk and dv): m
 time of the forward and of forward + backward, TFLOP/s counted as forward 4*B*N*T*S*H/2 and
 the backward as 2.5x the forward (the FlashAttention-2 convention). The Mosaic output and
 gradients are compared with the Triton ones first, so a wrong kernel prints an error, not a
-time. Needs an sm_90 GPU (the Mosaic kernels are Hopper-only); elsewhere it says so and exits.
+time. Needs an sm_90 GPU (the Mosaic kernels are Hopper-only): elsewhere it says so in one
+line on stderr and exits with status 0, before looking at the other arguments, nothing timed
+and nothing written (as bench/tune.py does without a GPU), so that bench/gpu_check.sh goes on.
 
     python bench/mosaic_attention.py [--json PATH] [--repeats N]
 """
@@ -24,15 +26,19 @@ import jaxbwd
 from jaxbwd.bench import median_time
 from jaxbwd.pallas import _common as C
 
+import _cli  # bench/_cli.py: this script's folder is first on sys.path
+
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=_cli.description(__doc__))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per case (median reported)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu" or C.sm_version() != 90:
-        print("bench/mosaic_attention.py: needs an sm_90 GPU (Hopper); skipped")
-        return 0
+        return _cli.skip(p.prog, f"an sm_90 GPU (Hopper; this backend: {jax.default_backend()})")
+    problem = _cli.bad_arguments(args)
+    if problem:
+        return _cli.refuse(p.prog, problem)
     B = 1
     impls = {
         "mosaic": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True, implementation="pallas:mosaic"),

@@ -9,9 +9,11 @@ loss and grads at T=8192, D=2048, V=128256 (bf16; against its XLA implementation
 ``matmul`` + ``cross_entropy``). TFLOP/s: attention forward 4*B*N*T*S*H
 halved when causal, backward 2.5x the forward (FlashAttention convention); conv2d forward
 2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each; linear_cross_entropy 2*T*D*V for the
-logits and the same for each gradient. Needs a GPU.
+logits and the same for each gradient. Needs a GPU: without one it says so in one line on
+stderr and exits with status 0, before looking at the other arguments, nothing timed and
+nothing written (as bench/mosaic_attention.py does), so that bench/gpu_check.sh goes on.
 
-    python bench/tune.py --json OUT.json [--ops attention conv2d linear_cross_entropy]
+    python bench/tune.py --json OUT.json [--ops attention conv2d linear_cross_entropy] [--repeats N]
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import jax.numpy as jnp
 import jaxbwd
 from jaxbwd.bench import median_time
 from jaxbwd.pallas import _tuning
+
+import _cli  # bench/_cli.py: this script's folder is first on sys.path
 
 F = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "blocks_per_sm")
 # key -> candidate (block_m, block_n, block_k, num_warps, num_stages[, blocks_per_sm]); a
@@ -97,14 +101,19 @@ def _time(f, args, repeats):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", metavar="PATH", required=True, help="where to write the fastest configurations")
-    p.add_argument("--repeats", type=int, default=10)
+    p = argparse.ArgumentParser(description=_cli.description(__doc__))
+    # --json is required, but checked after the GPU: without one, that is all there is to say.
+    p.add_argument("--json", metavar="PATH", help="where to write the fastest configurations (required)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per configuration (median reported)")
     p.add_argument("--ops", nargs="+", choices=CASES, default=list(CASES), help="which ops to sweep and time")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
-        print("bench/tune.py needs a GPU")
-        return 1
+        return _cli.skip(p.prog, f"a GPU (this backend: {jax.default_backend()})")
+    if not args.json:
+        return _cli.refuse(p.prog, "--json PATH is required")
+    problem = _cli.bad_arguments(args)
+    if problem:
+        return _cli.refuse(p.prog, problem)
     arch = _tuning.arch()
     cases = {name: CASES[name]() for name in args.ops}
     best, log = {}, []

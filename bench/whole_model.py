@@ -4,7 +4,7 @@ Reports, for one AdamW train step (forward, backward, update), the compiled peak
 memory (``compile().memory_analysis().temp_size_in_bytes``, exact on any backend, nothing
 is run) at a large config, and the measured step time at a config this machine can run.
 
-    python bench/whole_model.py [--json PATH]
+    python bench/whole_model.py [--json PATH] [--skip-timing] [--head-memory [--head-memory-gpu GPU]]
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import train_lm as lm  # noqa: E402
 
 import jaxbwd  # noqa: E402
+
+import _cli  # noqa: E402  (bench/_cli.py: this script's folder is first on sys.path)
 
 LARGE = lm.Config(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, mlp_hidden=2816, seq_len=4096,
                   batch_size=1, vocab=32000)
@@ -99,6 +101,16 @@ def head_memory_table(impl) -> dict:
     return out
 
 
+def table_lines(names, table) -> list[str]:
+    """A header naming every column, then one line per vocabulary: ``table[V][name]`` MiB.
+    Each column is as wide as its name (at least 20), so that header and cells line up."""
+    widths = [max(20, len(n)) for n in names]
+    lines = ["  " + " | ".join(["V".rjust(7)] + [n.rjust(w) for n, w in zip(names, widths)])]
+    for V, row in table.items():
+        lines.append("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:{w}.1f}" for n, w in zip(names, widths)]))
+    return lines
+
+
 def make_step(cfg, ops):
     model = lm.LM(cfg, ops)
     loss_fn = lm.make_loss(model)
@@ -136,18 +148,38 @@ def step_time(cfg, ops, repeats=5) -> float:
     return statistics.median(ts)
 
 
+def _head_memory_gpu_problem(args):
+    """What is wrong with --head-memory-gpu, or None: it adds to --head-memory's table (alone
+    it was once ignored without a word), and it needs a known GPU and the [compile] extra."""
+    if not args.head_memory_gpu:
+        return None
+    if not args.head_memory:
+        return "--head-memory-gpu adds a GPU compile to --head-memory's table: give --head-memory too"
+    from jaxbwd import deviceless
+
+    if args.head_memory_gpu not in deviceless.GPUS:
+        return f"--head-memory-gpu: unknown GPU {args.head_memory_gpu!r}; known: {', '.join(deviceless.GPUS)}"
+    missing = deviceless.missing_requirements()
+    if missing:
+        return f"--head-memory-gpu needs {', '.join(missing)}: {deviceless.INSTALL_HINT}"
+    return None
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=_cli.description(__doc__))
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--skip-timing", action="store_true",
                    help="report compiled temporary memory only, without timing the train steps")
     p.add_argument("--head-memory-gpu", metavar="GPU",
-                   help="also compile the head comparison's Pallas path for GPU (e.g. h200) without a GPU "
-                        "(needs the [compile] extra)")
+                   help="with --head-memory: also compile the head comparison for GPU (e.g. h200) without a "
+                        "GPU, Pallas and XLA paths (needs the [compile] extra)")
     p.add_argument("--head-memory", action="store_true",
                    help=f"also compare the LM head's loss three ways (T={HEAD_T}, D={HEAD_D}, "
                         f"V={' and '.join(map(str, HEAD_VOCABS))}, bf16): compiled temp memory only")
     args = p.parse_args(argv)
+    problem = _cli.bad_arguments(args) or _head_memory_gpu_problem(args)
+    if problem:  # before minutes of compiling, not after
+        return _cli.refuse(p.prog, problem)
     impl = jaxbwd.config.default_implementation()
     ours, plain = lm.jaxbwd_ops(impl), lm.plain_ops()
     report = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
@@ -161,9 +193,7 @@ def main(argv=None) -> int:
         table = report["head_memory_mib"] = head_memory_table(impl)
         print(f"LM head loss, value and grad (T={HEAD_T}, D={HEAD_D}, bf16), compiled temp memory in MiB:")
         names = list(head_losses(impl))
-        print("  " + " | ".join(["V".rjust(7)] + [n.rjust(20) for n in names]))
-        for V, row in table["head"].items():
-            print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in names]))
+        print("\n".join(table_lines(names, table["head"])))
         if "tokamax chunked_xla" not in names:
             print("  (tokamax is not installed: its chunked XLA formulation is not compared)")
         if args.head_memory_gpu:
@@ -173,8 +203,7 @@ def main(argv=None) -> int:
             gpu = table["head_gpu"] = {V: {n: head_temp_bytes_gpu(f, V, args.head_memory_gpu) / 2**20
                                            for n, f in fns.items()} for V in HEAD_VOCABS}
             print(f"  the same compiled for {args.head_memory_gpu} (Pallas kernels; \"(xla)\": the XLA paths), MiB:")
-            for V, row in gpu.items():
-                print("  " + " | ".join([str(V).rjust(7)] + [f"{row[n]:20.1f}" for n in fns]))
+            print("\n".join(table_lines(list(fns), gpu)))
         print(f"train step ({HEAD_MODEL.n_layers} layers, V={HEAD_MODEL.vocab}): "
               + ", ".join(f"{n} {v:.0f} MiB" for n, v in table["train_step"].items()))
     if not args.skip_timing:
