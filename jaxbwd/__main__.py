@@ -141,7 +141,9 @@ def _compile(args) -> int:
     if not cases:
         print("error: no Pallas kernels among the ops asked for", file=sys.stderr)
         return 2
-    print(f"compiling {len(cases)} cases for {', '.join(gpus)} in {args.jobs or 'one per core'} processes "
+    jobs = deviceless.worker_count(args.jobs, len(cases))
+    print(f"compiling {deviceless.plural(len(cases), 'case')} for {', '.join(gpus)} in "
+          f"{deviceless.plural(jobs, 'process', 'es')} "
           "(XLA's deviceless GPU compiler; no GPU is used)", file=sys.stderr)
     try:
         from tqdm import tqdm
@@ -151,9 +153,11 @@ def _compile(args) -> int:
     except ImportError:
         bar, progress = None, lambda case, msg: print(f"  {case.id}: {'FAILED' if 'error' in msg else 'ok'}",
                                                       file=sys.stderr)
-    report = deviceless.run(cases, jobs=args.jobs, timeout=args.timeout, progress=progress)
-    if bar is not None:
-        bar.close()
+    try:
+        report = deviceless.run(cases, jobs=jobs, timeout=args.timeout, progress=progress)
+    finally:  # also on Ctrl-C: the bar's line ends, and the message comes on a line of its own
+        if bar is not None:
+            bar.close()
     headers, rows = deviceless.table_rows(report)
     if len(gpus) == 1:  # one target: no gpu column
         i = headers.index("gpu")
@@ -217,8 +221,8 @@ def main(argv=None) -> int:
     pb.add_argument("--repeats", type=int, default=10, help="timed runs per op after 2 warm-up runs; the median "
                     "is reported (default 10)")
     pb.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
-    pb.add_argument("--plot", metavar="PATH", help="also write a PNG chart of speedup and residual-memory ratio "
-                    "per op to PATH (needs matplotlib)")
+    pb.add_argument("--plot", metavar="PATH", help="also write a chart of speedup and residual-memory ratio "
+                    "per op to PATH, in the format its extension names (.png, .svg, .pdf, ...; needs matplotlib)")
     pg = sub.add_parser(
         "compile", help="compile every Pallas kernel for a GPU without one; registers, spills, occupancy, SASS mix",
         description="Compiles each op's forward+backward at the registry's realistic shapes with XLA's own "
@@ -236,13 +240,18 @@ def main(argv=None) -> int:
     pg.add_argument("--wide", action="store_true", help=wide_help)
     pg.add_argument("--baseline", metavar="PATH", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
     args = p.parse_args(argv)
-    if args.cmd == "compile":
+    if args.ops == []:  # `--ops $EMPTY` or `--ops --dtype bf16`: not "every op" (omit the flag for that)
+        print("error: --ops needs at least one op name (omit --ops for every op)", file=sys.stderr)
+        return 2
+    if args.cmd in ("list", "compile"):
         import jax
 
-        # The GPU is only a compile target: the host runs on CPU, and a CUDA plugin without a
-        # GPU would otherwise complain when backends start.
+        # Neither needs a device (compile's GPU is only a compile target): the host runs on CPU,
+        # and a CUDA plugin without a GPU would otherwise print a traceback when backends start.
+        # check and bench keep jax's choice: there a GPU is what the user wants.
         if not os.environ.get("JAX_PLATFORMS"):
             jax.config.update("jax_platforms", "cpu")
+    if args.cmd == "compile":
         from jaxbwd import deviceless
 
         bad = [g for g in args.gpu.split(",") if g.strip() not in deviceless.GPUS]
@@ -272,6 +281,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # stdout closed early (e.g. `| head`): quiet, as other Unix tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's status for SIGINT (compile's workers are gone)
+        print("\n" * sys.stderr.isatty() + "interrupted", file=sys.stderr)  # on a terminal: after ^C
+        return 130
 
 
 _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -295,12 +307,32 @@ def _bad_arguments(args):
         problem = _read_baseline(args)
         if problem:
             return problem
+    outputs = {}
     for opt in ("json", "markdown", "plot"):
         path = getattr(args, opt, None)
         if path:
             problem = _unwritable(path)
             if problem:
                 return f"--{opt} {path}: {problem}"
+            same = outputs.setdefault(os.path.realpath(path), opt)
+            if same != opt:  # the second write would replace the first
+                return f"--{same} and --{opt} name the same file, {path}"
+    if getattr(args, "plot", None):
+        return _unplottable(args.plot)
+    return None
+
+
+def _unplottable(path):
+    """Why matplotlib cannot write a chart to ``path``, or None: checked before the benchmark,
+    not after it. The format is the extension's (none: matplotlib's default, PNG)."""
+    try:
+        from matplotlib.figure import Figure  # not pyplot: no backend is chosen here
+    except ImportError:
+        return f"--plot {path}: needs matplotlib (pip install matplotlib)"
+    formats = Figure().canvas.get_supported_filetypes()
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext and ext not in formats:
+        return f"--plot {path}: matplotlib cannot write '.{ext}' files; use one of: .{', .'.join(sorted(formats))}"
     return None
 
 

@@ -43,6 +43,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -750,14 +751,25 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ worker processes
 
 
-def _worker_main() -> int:
-    """A compile worker: reads one JSON case per stdin line, answers one JSON line each."""
-    workdir = tempfile.mkdtemp(prefix="jaxbwd-compile-")
+_READY = '{"ready": true}'  # a worker's first line, once its imports are done
+
+
+def _worker_main(workdir: str) -> int:
+    """A compile worker: says ``{"ready": true}`` once its imports are done, then reads one
+    JSON case per stdin line and answers one JSON line each. ``workdir`` is made and removed
+    by the parent: a worker killed for a timeout or a signal cleans nothing up itself."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything else printed (a user module at import too) must not break the protocol
+    import jax
+
     from jaxbwd import registry
 
+    # Imports and the CPU backend before "ready": a case's timer starts then, and pays for none of it.
+    importlib.import_module("jaxbwd.pallas")
     registry.load_from_env()  # user ops named by import path in the parent (--ops module:ATTR)
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything else printed must not break the protocol
+    jax.devices()
+    out.write(_READY + "\n")
+    out.flush()
     for line in sys.stdin:
         case = Case(**json.loads(line))
         try:
@@ -766,7 +778,6 @@ def _worker_main() -> int:
             msg = {"case": case.id, "error": f"{type(e).__name__}: {e}".strip()[:2000]}
         out.write(json.dumps(msg) + "\n")
         out.flush()
-    shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
@@ -782,13 +793,73 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+# The worker's command line; its working folder is appended. A module attribute, so that the
+# tests can put a stand-in worker here and test the process handling without the compiler.
+WORKER_CMD = [sys.executable, "-c",
+              "import sys; from jaxbwd import deviceless; sys.exit(deviceless._worker_main(sys.argv[1]))"]
+
+
+class _Worker:
+    """One compile worker process, its working folder (made here, removed when the process
+    is reaped, however it ended) and a thread that queues its answer lines ("" at its end)."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="jaxbwd-compile-")
+        self.proc = subprocess.Popen([*WORKER_CMD, self.dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=_worker_env())
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def answer(self, timeout: float) -> Optional[str]:
+        """The next line, "" when the worker has ended, None after ``timeout`` seconds."""
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self, kill: bool = False) -> Optional[int]:
+        """Ends the worker (closing its stdin lets it finish; ``kill`` does not wait for
+        that), reaps it, removes its folder; its exit code. Safe to call twice."""
+        if kill:
+            self.proc.kill()  # nothing once it has been reaped
+        else:
+            with contextlib.suppress(OSError):  # a dead worker's pipe
+                self.proc.stdin.close()
+        code = self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+
+# Seconds a worker may take to start (import jax and jaxbwd) when ``timeout`` is shorter: a
+# timeout sized for one case's compile must not fail a start-up slowed by a busy machine.
+STARTUP_TIMEOUT = 300.0
+
+
+def worker_count(jobs: Optional[int], n_cases: int) -> int:
+    """How many worker processes :func:`run` starts for ``n_cases`` cases."""
+    return max(1, min(jobs or os.cpu_count() or 1, n_cases or 1))
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)  # as the default action's exit status; run's cleanup runs first
+
+
 def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float = 900.0,
         progress: Optional[Callable[[Case, dict], None]] = None) -> dict[str, Any]:
     """Compiles ``case_list`` in ``jobs`` worker processes (default: one per CPU core).
 
     Returns ``{"rows": [...], "failures": [{"case", "error"}], "meta": {...}}``; a case whose
-    worker crashed or ran past ``timeout`` seconds is a failure, and the run goes on.
-    ``progress(case, message)`` is called after each case.
+    worker crashed or ran past ``timeout`` seconds is a failure, and the run goes on. A case's
+    time starts once its worker is ready (its imports done); a worker's start-up has its own
+    limit, the larger of ``timeout`` and :data:`STARTUP_TIMEOUT`. ``progress(case, message)`` is called after each case.
+
+    However the call ends (Ctrl-C, an exception, SIGTERM or SIGHUP: exit status 128 + the
+    signal's number), every worker is killed and its folder removed.
 
     Raises:
       RuntimeError: the compile requirements are missing (the message names the packages).
@@ -796,61 +867,95 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
     missing = missing_requirements()
     if missing:
         raise RuntimeError(f"jaxbwd compile needs {', '.join(missing)}: {INSTALL_HINT}")
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(case_list) or 1))
+    jobs = worker_count(jobs, len(case_list))
     todo: "queue.Queue[Case]" = queue.Queue()
     for c in case_list:
         todo.put(c)
     results: "queue.Queue[tuple[Case, dict]]" = queue.Queue()
-    cmd = [sys.executable, "-c", "import sys; from jaxbwd import deviceless; sys.exit(deviceless._worker_main())"]
+    live: set[_Worker] = set()
+    lock, stop = threading.Lock(), threading.Event()
+
+    def start():
+        """A ready worker, or the error message why there is none (None: the run is stopping)."""
+        with lock:  # no worker starts once the run is stopping: it would outlive the parent
+            if stop.is_set():
+                return None
+            w = _Worker()
+            live.add(w)
+        line = w.answer(max(timeout, STARTUP_TIMEOUT))
+        if line and line.strip() == _READY:
+            return w
+        code = w.close(kill=True)
+        live.discard(w)
+        return (f"the compile worker did not start within {max(timeout, STARTUP_TIMEOUT):g} s" if line is None
+                else f"the compile worker died starting (exit code {code})")
 
     def serve():
-        proc = None
+        w = None
         try:
-            while True:
+            while not stop.is_set():
                 try:
                     case = todo.get_nowait()
                 except queue.Empty:
                     return
-                if proc is None or proc.poll() is not None:
-                    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.DEVNULL, text=True, env=_worker_env())
-                proc.stdin.write(json.dumps(dataclasses.asdict(case)) + "\n")
-                proc.stdin.flush()
-                answer: list[str] = []
-                reader = threading.Thread(target=lambda: answer.append(proc.stdout.readline()), daemon=True)
-                reader.start()
-                reader.join(timeout)
-                if reader.is_alive():
-                    proc.kill()
-                    proc.wait()  # reaped, so that the next case starts a fresh worker
-                    proc = None
-                    msg = {"case": case.id, "error": f"timed out after {timeout:g} s"}
-                elif not answer or not answer[0]:
-                    code = proc.wait()
-                    msg = {"case": case.id, "error": f"the compile worker died (exit code {code})"}
-                else:
-                    msg = json.loads(answer[0])
+                if w is None:
+                    w = start()
+                    if w is None:
+                        return
+                    if isinstance(w, str):
+                        results.put((case, {"case": case.id, "error": w}))
+                        w = None
+                        continue
+                try:
+                    w.proc.stdin.write(json.dumps(dataclasses.asdict(case)) + "\n")
+                    w.proc.stdin.flush()
+                    line = w.answer(timeout)  # the case's time: from here, the worker being ready
+                except OSError:  # its pipe: the worker has ended
+                    line = ""
+                if line:
+                    msg = json.loads(line)
+                else:  # timed out or died: the next case gets a fresh worker
+                    code = w.close(kill=line is None)
+                    live.discard(w)
+                    w = None
+                    msg = {"case": case.id, "error": f"timed out after {timeout:g} s" if line is None
+                           else f"the compile worker died (exit code {code})"}
                 results.put((case, msg))
         finally:
-            if proc is not None and proc.poll() is None:
-                proc.stdin.close()
-                proc.wait()
+            if w is not None:
+                w.close()
+                live.discard(w)
 
+    # A job scheduler's SIGTERM (or a closed terminal's SIGHUP) ends the run as Ctrl-C does,
+    # through the cleanup below; by default the parent would die and leave its workers
+    # compiling. Only while compiling, and only where handlers can be set (the main thread).
+    signals = (signal.SIGTERM, signal.SIGHUP)
+    old = ({s: signal.signal(s, _raise_exit) for s in signals}
+           if threading.current_thread() is threading.main_thread() else {})
     threads = [threading.Thread(target=serve, daemon=True) for _ in range(jobs)]
-    for t in threads:
-        t.start()
-    rows, failures, start = [], [], time.time()
-    for _ in range(len(case_list)):
-        case, msg = results.get()
-        if "error" in msg:
-            failures.append({"case": case.id, "error": msg["error"]})
-        else:
-            rows.extend(msg["rows"])
-        if progress is not None:
-            progress(case, msg)
-    for t in threads:
-        t.join()
-    return {"meta": _meta(case_list, jobs, time.time() - start), "rows": rows, "failures": failures}
+    rows, failures, start_time = [], [], time.time()
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(len(case_list)):
+            case, msg = results.get()
+            if "error" in msg:
+                failures.append({"case": case.id, "error": msg["error"]})
+            else:
+                rows.extend(msg["rows"])
+            if progress is not None:
+                progress(case, msg)
+        for t in threads:
+            t.join()
+    finally:
+        with lock:
+            stop.set()
+            stopping = list(live)
+        for w in stopping:  # none left after a complete run
+            w.close(kill=True)
+        for s, handler in old.items():  # None: a handler not set from Python, which cannot be put back
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    return {"meta": _meta(case_list, jobs, time.time() - start_time), "rows": rows, "failures": failures}
 
 
 def _meta(case_list, jobs, seconds) -> dict[str, Any]:
@@ -892,14 +997,14 @@ COLUMNS = (
     # (header, key or function of a row, help)
     ("op", "op", "registry op"),
     ("case", "case", "lowering example (shapes; the dtype column overrides its dtype)"),
-    ("dtype", lambda r: {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(r["dtype"], r["dtype"]), "input dtype"),
+    ("dtype", lambda r: _short_dtype(r["dtype"]), "input dtype"),
     ("gpu", "gpu", "target GPU"),
     ("kernel", "kernel", "pallas_call name"),
     ("grid", lambda r: "x".join(str(g) for g in r["grid"] if g != 1) or "1", "launch grid (blocks)"),
     ("w/s", lambda r: f"{r['num_warps']}/{r['num_stages']}", "Triton num_warps / num_stages"),
     ("reg", "registers", "registers per thread"),
     ("spill", lambda r: r["stack"], "stack frame bytes per thread (spills land here; 0 = none)"),
-    ("smem", lambda r: f"{r['smem'] / 1024:.0f}K", "shared memory per block (static + dynamic)"),
+    ("smem", lambda r: _kib(r["smem"]), "shared memory per block (static + dynamic)"),
     ("blk/SM", lambda r: f"{r['blocks_per_sm']} {_SHORT[r['limiter']]}", "resident blocks per SM and the limiting resource"),
     ("occ", lambda r: f"{r['occupancy']:.0%}", "resident warps / max warps per SM"),
     ("waves", lambda r: f"{r['waves']:.2f}", "grid blocks / (blocks per SM x SMs)"),
@@ -917,6 +1022,15 @@ COLUMNS = (
      "all of the case's kernels' operand+result bytes over the op's minimum (fwd+bwd inputs and the "
      "cotangent read once, gradients written once); > 1 means intermediates go through HBM"),
 )
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+
+
+def _kib(n: int) -> str:
+    # Below 1 KiB in bytes: rounded to KiB, a few hundred bytes of static smem would read "0K".
+    return f"{n}B" if n < 1024 else f"{n / 1024:.0f}K"
 
 
 _SHORT = {"registers": "reg", "shared memory": "smem", "threads": "thr", "blocks": "blk"}
@@ -939,7 +1053,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Compiled kernels, {m['date']}", "",
         f"jax {m['jax']}, CUDA plugin {m['cuda_plugin']}, deviceless compile for {', '.join(m['gpus'])}; "
-        f"{m['cases']} cases in {m['seconds']} s on {m['jobs']} processes.", "",
+        f"{plural(m['cases'], 'case')} in {m['seconds']} s on {plural(m['jobs'], 'process', 'es')}.", "",
         "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -969,7 +1083,7 @@ def compare(baseline: dict[str, Any], report: dict[str, Any]) -> tuple[list[str]
             fmt = lambda v: "-" if v is None else f"{v:.2f}" if k == "waves" else str(v)  # noqa: E731
             old_v, new_v = b.get(k), r.get(k)
             cells.append(fmt(new_v) if old_v == new_v else f"{fmt(old_v)} -> {fmt(new_v)}")
-        rows.append(list(key(r)[:4]) + [r["kernel"]] + cells)
+        rows.append([r["op"], r["case"], _short_dtype(r["dtype"]), r["gpu"], r["kernel"]] + cells)
     return headers, rows
 
 
@@ -978,11 +1092,17 @@ def summary(report: dict[str, Any]) -> str:
     rows = report["rows"]
     spilled = sorted({f"{r['kernel']}({r['dtype']})" for r in rows if r["stack"] or r["spill_stores"]})
     tc = sum(r["tensor_core"] != "none" for r in rows)
-    return (f"{len(rows)} kernel compiles from {report['meta']['cases'] - len(report['failures'])} cases "
+    return (f"{plural(len(rows), 'kernel compile')} from "
+            f"{plural(report['meta']['cases'] - len(report['failures']), 'case')} "
             f"({len(report['failures'])} failed) in {report['meta']['seconds']} s; "
-            f"{len(spilled)} kernels spill{': ' + ', '.join(spilled) if spilled else ''}; "
-            f"{tc} use tensor cores")
+            f"{len(spilled)} {'kernel spills' if len(spilled) == 1 else 'kernels spill'}"
+            f"{': ' + ', '.join(spilled) if spilled else ''}; {tc} use{'s' * (tc == 1)} tensor cores")
+
+
+def plural(n: int, word: str, suffix: str = "s") -> str:
+    """``1 case``, ``2 cases``; ``plural(n, "process", "es")``."""
+    return f"{n} {word}{'' if n == 1 else suffix}"
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main())
+    sys.exit(_worker_main(sys.argv[1]))

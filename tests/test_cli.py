@@ -263,3 +263,272 @@ def test_an_op_named_twice_is_listed_once(capsys):
     assert [s.name for s in registry.ops(["rms_norm", "silu", "rms_norm"])] == ["rms_norm", "silu"]
     assert cli.main(["list", "--ops", "rms_norm", "rms_norm", "--wide"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3  # header, rule, one row
+
+
+# ------------------------------------------------------------- --ops, output paths, plot format
+
+
+def _no_command(monkeypatch):
+    """Every command body fails the test: the arguments alone must be refused (and a wrong
+    acceptance must not start an 86 s check or a full compile sweep)."""
+    for name in ("_list", "_check", "_bench", "_compile"):
+        monkeypatch.setattr(cli, name, mock.Mock(side_effect=AssertionError(f"{name} ran")))
+
+
+@pytest.mark.parametrize("argv", [["list", "--ops"], ["check", "--ops"], ["bench", "--ops"], ["compile", "--ops"],
+                                  ["compile", "--ops", "--dtype", "bf16"]],
+                         ids=["list", "check", "bench", "compile", "compile-flag-after"])
+def test_empty_ops_is_an_error_not_every_op(argv, monkeypatch, capsys):
+    """`--ops $EMPTY` (or a flag right after --ops) used to select every op: for compile, the
+    whole sweep."""
+    _no_command(monkeypatch)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == "error: --ops needs at least one op name (omit --ops for every op)\n"
+
+
+@pytest.mark.parametrize("argv, first, second", [
+    (["bench", "--ops", "silu", "--json", "{tmp}/out", "--plot", "{tmp}/out"], "json", "plot"),
+    (["compile", "--ops", "silu", "--json", "{tmp}/out", "--markdown", "{tmp}/./out"], "json", "markdown"),
+], ids=["bench", "compile"])
+def test_two_outputs_to_the_same_file_are_refused(argv, first, second, tmp_path, monkeypatch, capsys):
+    _no_command(monkeypatch)
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert capsys.readouterr().err == f"error: --{first} and --{second} name the same file, {argv[-1].format(tmp=tmp_path)}\n"
+
+
+def test_plot_format_is_checked_before_the_benchmark(tmp_path, monkeypatch, capsys):
+    """matplotlib refused `.txt` only in savefig, after the whole benchmark, with a traceback."""
+    pytest.importorskip("matplotlib")
+    _no_command(monkeypatch)
+    assert cli.main(["bench", "--ops", "silu", "--plot", str(tmp_path / "chart.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"error: --plot {tmp_path / 'chart.txt'}: matplotlib cannot write '.txt' files; "
+                          "use one of: ") and ".png" in err and ".svg" in err
+    for ok in ("chart.png", "chart.SVG", "chart.pdf", "chart"):  # no extension: matplotlib's PNG
+        assert cli._bad_arguments(argparse.Namespace(cmd="bench", plot=str(tmp_path / ok))) is None, ok
+    assert not list(tmp_path.iterdir())  # the probe wrote nothing
+
+
+def test_list_starts_no_backend(tmp_path):
+    """With the [compile] extra (jax's CUDA plugin) and no GPU, `list` printed jax's 30-line
+    plugin traceback when JAX_PLATFORMS was unset; it needs no device at all."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "jaxbwd", "list", "--ops", "silu"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines()[2].startswith("silu ")
+
+
+# ------------------------------------------------------------------------- compile's printing
+
+
+def _compiled_row(**kw):
+    row = dict(op="silu", case="(8192, 4096)", dtype="float32", gpu="h200", kernel="silu_bwd", grid=[4096, 4, 1],
+               num_warps=4, num_stages=3, registers=64, stack=0, spill_stores=0, smem=384, blocks_per_sm=8, limiter="registers",
+               occupancy=0.5, waves=15.52, tensor_core="none", ex2=16, expf=16, sass=481, inst_per_s=None,
+               io_bytes=403e6, op_io_bytes=403e6, op_min_bytes=403e6)
+    return {**row, **kw}
+
+
+def test_compile_prints_the_processes_it_uses_and_small_smem_in_bytes(monkeypatch, capsys):
+    """It said "in 8 processes" for --jobs 8 and 3 cases (3 were used), "1 cases", and `0K`
+    for shared memory below 512 B."""
+    from jaxbwd import deviceless
+
+    seen = {}
+
+    def run(cases, *, jobs, timeout, progress):
+        seen["jobs"] = jobs
+        rows = [_compiled_row(case=c.shape_name, smem=s) for c, s in zip(cases, (0, 384, 2048))]
+        return {"meta": dict(cases=len(cases), jobs=jobs, seconds=1.0), "rows": rows, "failures": []}
+
+    monkeypatch.setattr(deviceless, "missing_requirements", lambda: [])
+    monkeypatch.setattr(deviceless, "run", run)
+    assert cli.main(["compile", "--ops", "silu", "--dtype", "f32", "--jobs", "8", "--wide"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("compiling 3 cases for h200 in 3 processes (") and seen["jobs"] == 3
+    smem = {line.split()[1] + " " + line.split()[2]: line.split()[9] for line in out.splitlines()
+            if line.startswith("silu ")}  # op, case (2 words), dtype, kernel, grid, w/s, reg, spill, smem
+    assert smem == {"(8192, 4096)": "0B", "(4096, 5120)": "384B", "(2048, 16384)": "2K"}
+    assert "3 kernel compiles from 3 cases (0 failed)" in out
+    assert [deviceless.worker_count(j, n) for j, n in ((8, 1), (None, 1), (2, 5), (1, 0))] == [1, 1, 2, 1]
+    assert (deviceless.plural(1, "case"), deviceless.plural(1, "process", "es"),
+            deviceless.plural(2, "process", "es")) == ("1 case", "1 process", "2 processes")
+    assert deviceless.summary({"meta": {"cases": 1, "seconds": 1.0}, "rows": [_compiled_row(stack=8)],
+                               "failures": []}) == ("1 kernel compile from 1 case (0 failed) in 1.0 s; "
+                                                    "1 kernel spills: silu_bwd(float32); 0 use tensor cores")
+
+
+def test_baseline_table_names_dtypes_as_the_main_table_does():
+    from jaxbwd import deviceless
+
+    headers, rows = deviceless.compare({"rows": [_compiled_row(dtype="bfloat16", registers=72)]},
+                                       {"rows": [_compiled_row(dtype="bfloat16")]})
+    assert rows[0][headers.index("dtype")] == "bf16"
+    assert rows[0][headers.index("reg")] == "72 -> 64"
+    assert deviceless.table_rows({"rows": [_compiled_row(dtype="bfloat16")]})[1][0][2] == "bf16"
+
+
+# --------------------------------------------- compile's workers: timeouts, signals, temp folders
+
+# A stand-in compile worker (deviceless.WORKER_CMD): the protocol without XLA. It logs its pid
+# and folder, sleeps FAKE_WORKER_STARTUP seconds before it is ready (jax's import, say) and
+# hangs on the case named FAKE_WORKER_HANG ("*": every case).
+FAKE_WORKER = '''
+import json, os, sys, time
+log = open(os.environ["FAKE_WORKER_LOG"], "a", buffering=1)
+log.write(f"start {os.getpid()} {sys.argv[1]}\\n")
+time.sleep(float(os.environ.get("FAKE_WORKER_STARTUP", "0")))
+print('{"ready": true}', flush=True)
+for line in sys.stdin:
+    case = json.loads(line)
+    log.write(f"case {os.getpid()} {case['shape_name']}\\n")
+    if os.environ.get("FAKE_WORKER_HANG") in (case["shape_name"], "*"):
+        time.sleep(600)
+    time.sleep(0.1)
+    print(json.dumps({"case": case["op"], "rows": []}), flush=True)
+'''
+
+
+def _fake_worker(tmp_path, monkeypatch, **env):
+    from jaxbwd import deviceless
+
+    (tmp_path / "fake_worker.py").write_text(FAKE_WORKER)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "workers.log"))
+    for k, v in env.items():
+        monkeypatch.setenv(f"FAKE_WORKER_{k.upper()}", v)
+    monkeypatch.setattr(deviceless, "WORKER_CMD", [sys.executable, str(tmp_path / "fake_worker.py")])
+    monkeypatch.setattr(deviceless, "missing_requirements", lambda: [])
+
+
+def _workers(tmp_path):
+    """(pid, folder) of every worker the log names."""
+    log = tmp_path / "workers.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(int(w[1]), w[2]) for w in (line.split(" ", 2) for line in lines) if w[0] == "start"]
+
+
+def _alive(pid):
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        return not pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return False
+
+
+def test_case_timer_starts_when_its_worker_is_ready_and_killed_workers_leave_no_folder(tmp_path, monkeypatch):
+    """--timeout counted the worker's start-up (jax's import): a 1.5 s timeout that every case
+    fits in failed them all, the case after a timeout paying the new worker's import. And a
+    killed worker left its /tmp/jaxbwd-compile-* folder behind."""
+    import tempfile
+
+    from jaxbwd import deviceless
+
+    _fake_worker(tmp_path, monkeypatch, startup="2", hang="(8192, 4096)")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    cases = deviceless.cases(["silu"], dtypes=("float32",))
+    assert [c.shape_name for c in cases] == ["(8192, 4096)", "(4096, 5120)", "(2048, 16384)"]
+    report = deviceless.run(cases, jobs=1, timeout=1)
+    assert report["failures"] == [{"case": cases[0].id, "error": "timed out after 1 s"}]
+    workers = _workers(tmp_path)
+    assert len(workers) == 2  # the hung one, killed, and its replacement
+    assert all(w[1].startswith(str(tmp_path / "tmp" / "jaxbwd-compile-")) for w in workers)
+    assert not any(_alive(pid) for pid, _ in workers)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+DRIVER = '''
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if started ignoring it
+from jaxbwd import __main__ as cli, deviceless
+deviceless.WORKER_CMD = [sys.executable, sys.argv[1]]
+deviceless.missing_requirements = lambda: []
+sys.exit(cli.main(["compile", "--ops", "silu", "--dtype", "f32", "--jobs", "2"]))
+'''
+
+
+def _interrupt(tmp_path, cmd, env, signum, ready):
+    """Runs ``cmd``, sends it ``signum`` once ``ready(its Popen)``; its exit code and stderr."""
+    import subprocess
+    import time
+
+    env = {**os.environ, **env, "TMPDIR": str(tmp_path / "tmp"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(proc) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert ready(proc), "the compile did not get going"
+        proc.send_signal(signum)  # to the parent only: it must take its workers down itself
+        return proc.wait(timeout=60), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_signal_during_compile_kills_the_workers_and_removes_their_folders(signame, code, tmp_path, monkeypatch):
+    """Ctrl-C gave a KeyboardInterrupt traceback; SIGTERM (a job scheduler's) left the
+    workers compiling, orphaned; both left the workers' temp folders."""
+    import signal
+
+    _fake_worker(tmp_path, monkeypatch, hang="*")
+    (tmp_path / "driver.py").write_text(DRIVER)
+    log = tmp_path / "workers.log"
+    busy = lambda proc: log.exists() and log.read_text().count("case ") == 2  # noqa: E731  both workers in a case
+    rc, err = _interrupt(tmp_path, [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "fake_worker.py")],
+                         {}, getattr(signal, signame), busy)
+    assert rc == code, err
+    assert "Traceback" not in err
+    if signame == "SIGINT":
+        assert err.endswith("\ninterrupted\n")
+    workers = _workers(tmp_path)
+    assert len(workers) == 2 and not any(_alive(pid) for pid, _ in workers)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.compile
+def test_sigterm_during_a_real_compile_leaves_no_worker_and_no_folder(tmp_path):
+    """The real worker and compiler: SIGTERM while a case compiles (it hangs in its trace)."""
+    import signal
+
+    from jaxbwd import deviceless
+
+    if deviceless.missing_requirements():
+        pytest.skip(f"needs {', '.join(deviceless.missing_requirements())}")
+    from test_compile import SLOW_OP  # tests/ is on sys.path under pytest
+
+    (tmp_path / "hang.py").write_text(SLOW_OP)
+    (tmp_path / "tmp").mkdir()
+    workers = []
+
+    def compiling(proc):  # its worker has started and made its folder; then a few seconds into the case
+        import time
+
+        kids = [int(p.name) for p in pathlib.Path("/proc").glob("[0-9]*") if _ppid(p) == proc.pid]
+        if workers or not (kids and list((tmp_path / "tmp").iterdir())):
+            return bool(workers)
+        workers.extend(kids)
+        time.sleep(8)
+        return True
+
+    rc, err = _interrupt(tmp_path, [sys.executable, "-m", "jaxbwd", "compile", "--ops", f"{tmp_path / 'hang.py'}:SPEC",
+                                    "--dtype", "f32", "--jobs", "1"], {}, signal.SIGTERM, compiling)
+    assert rc == 143, err
+    assert "Traceback" not in err and "compiling 2 cases for h200 in 1 process " in err
+    assert workers and not any(_alive(pid) for pid in workers)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def _ppid(proc_dir):
+    try:
+        return int((proc_dir / "stat").read_text().split(") ")[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
