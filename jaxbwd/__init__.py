@@ -7,7 +7,7 @@ one primitive that also carries a tangent rule (``jaxbwd/vjp/_derivatives.py``),
 forward mode and second order work too. Choose per call with ``implementation=None|"pallas"|"xla"``
 or globally with :mod:`jaxbwd.config`.
 """
-from jaxbwd import config
+from jaxbwd import checkpoint_policies, config
 from jaxbwd.define import define_elementwise, define_op
 from jaxbwd.vjp.activations import gated_linear_unit, gelu, glu, silu, softmax, swiglu
 from jaxbwd.vjp.activations import leaky_relu, relu, sigmoid, tanh
@@ -29,7 +29,7 @@ from jaxbwd.vjp.vision import conv2d, pixel_shuffle, unpatchify, upsample2d
 __version__ = "0.1.0"
 
 __all__ = [
-    "config", "define_op", "define_elementwise",
+    "checkpoint_policies", "config", "define_op", "define_elementwise",
     "rms_norm", "layer_norm", "group_norm",
     "softmax", "silu", "gelu", "swiglu", "glu", "gated_linear_unit",
     "dot_product_attention", "embed", "rope", "cross_entropy", "linear_cross_entropy",

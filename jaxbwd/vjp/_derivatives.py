@@ -397,6 +397,17 @@ if _HAVE_HIJAX:
             return _Op(rules, in_avals, out_aval)(*args), 0
 
 
+def op_of_equation(params: dict) -> Optional[str]:
+    """The name of the op whose primal (or fwd rule) an equation applies, given the params a
+    ``jax.checkpoint`` policy receives with it; None for any other equation, and on
+    jax < 0.12, where the ops are ``jax.custom_vjp`` functions whose fwd rules remat traces
+    into their own equations."""
+    if not _HAVE_HIJAX:
+        return None
+    p = params.get("_prim")
+    return p.rules.name if isinstance(p, (_Op, _Fwd)) else None
+
+
 # ------------------------------------------------------------------------- the decorator
 class custom_op:
     """A drop-in for ``jax.custom_vjp`` that also carries a tangent (JVP) rule.

@@ -1,0 +1,102 @@
+"""``jax.checkpoint`` policies that see jaxbwd's ops.
+
+On jax >= 0.12 each op application is one primitive in the jaxpr (``jaxbwd/vjp/_derivatives.py``).
+JAX's policies recognise values by the primitive that makes them (``dot_general``,
+``conv_general_dilated``, ``name``), so they never save an op's values: under
+``jax.checkpoint_policies.dots_saveable`` a model built from :func:`jaxbwd.matmul` (or
+``jaxbwd.nn.Dense``) saves nothing and recomputes every product in the backward, as under
+``nothing_saveable``. The policies here are JAX's, plus one rule for the ops: an op's output
+and the residuals its fwd rule declares are saved where JAX's policy would save a dot inside
+the op's formula. Use them in place of JAX's of the same name::
+
+    jax.checkpoint(block, policy=jaxbwd.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+What each saves besides JAX's choices (an op's residuals are listed in its docstring):
+
+* :data:`dots_saveable`: ``matmul``, ``conv2d``, ``linear_cross_entropy`` and
+  ``dot_product_attention`` (attention's residuals are q, k, v, the output and the [B, N, T]
+  logsumexp, not the T x S probabilities that JAX's policy saves from a plain-jnp attention).
+* :data:`dots_with_no_batch_dims_saveable` and :func:`offload_dot_with_no_batch_dims`:
+  ``matmul`` and ``linear_cross_entropy`` (products with no batch dimensions; attention's
+  are batched over heads, and JAX's rule leaves convolutions out).
+
+:func:`save_ops` saves named ops under any policy. On jax < 0.12 the ops are
+``jax.custom_vjp`` functions whose forward rules remat traces into their own equations, so
+JAX's policies see the dots inside them, and these policies equal JAX's.
+
+Source: JAX's remat policies (``jax.checkpoint_policies``, "Gradient checkpointing with
+jax.checkpoint" in JAX's docs); the per-op rule is this module's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax import lax
+
+from jaxbwd.vjp._derivatives import op_of_equation
+
+__all__ = ["dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dot_with_no_batch_dims", "save_ops"]
+
+_DOT_OPS = ("matmul", "conv2d", "linear_cross_entropy", "dot_product_attention")
+_NO_BATCH_DOT_OPS = ("matmul", "linear_cross_entropy")
+
+
+def save_ops(*names: str) -> Callable[..., bool]:
+    """A policy saving the output and residuals of every application of the named ops.
+
+    Args:
+      names: op names as :func:`jaxbwd.registry.ops` lists them (``"matmul"``,
+        ``"dot_product_attention"``, ...); user ops by their ``define_op`` name.
+
+    Returns:
+      A ``jax.checkpoint`` policy; combine it with JAX's through
+      ``jax.checkpoint_policies.save_from_both_policies``.
+
+    Raises:
+      TypeError: a name that is not a string.
+    """
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"jaxbwd.checkpoint_policies.save_ops: op names must be strings, got {n!r}")
+    wanted = frozenset(names)
+
+    def policy(prim, *args, **params) -> bool:
+        return op_of_equation(params) in wanted
+
+    policy.__name__ = f"save_ops{tuple(sorted(wanted))}"
+    return policy
+
+
+def _with_ops(name: str, jax_policy: Callable[..., object], ops: tuple[str, ...], value) -> Callable[..., object]:
+    def policy(prim, *args, **params):
+        if op_of_equation(params) in ops:
+            return value
+        return jax_policy(prim, *args, **params)
+
+    policy.__name__ = name
+    policy.__doc__ = (f"``jax.checkpoint_policies.{name}``, and the output and residuals of "
+                      f"jaxbwd's {', '.join(ops)}.")
+    return policy
+
+
+dots_saveable = _with_ops("dots_saveable", jax.checkpoint_policies.dots_saveable, _DOT_OPS, True)
+dots_with_no_batch_dims_saveable = _with_ops("dots_with_no_batch_dims_saveable",
+                                             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                             _NO_BATCH_DOT_OPS, True)
+
+
+def offload_dot_with_no_batch_dims(offload_src: str, offload_dst: str) -> Callable[..., object]:
+    """``jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src, offload_dst)``,
+    which also offloads the output and residuals of jaxbwd's matmul and linear_cross_entropy.
+
+    Args:
+      offload_src, offload_dst: memory kinds, as JAX's (``"device"``, ``"pinned_host"``).
+
+    Returns:
+      A ``jax.checkpoint`` policy.
+    """
+    jax_policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src, offload_dst)
+    # JAX's decision for a product with no batch dimensions: the same offload, its own type.
+    offload = jax_policy(lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
+    return _with_ops("offload_dot_with_no_batch_dims", jax_policy, _NO_BATCH_DOT_OPS, offload)

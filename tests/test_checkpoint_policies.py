@@ -1,0 +1,113 @@
+"""jaxbwd.checkpoint_policies: JAX's dot-saving remat policies extended to the ops, which on
+jax >= 0.12 are single primitives that JAX's policies do not recognise."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+import jaxbwd
+from jaxbwd.vjp._derivatives import FORWARD_MODE
+
+P = jaxbwd.checkpoint_policies
+CP = jax.checkpoint_policies
+D, H, T = 32, 64, 16
+
+
+def saved_residuals(f, *args) -> list[str]:
+    """What ``jax.checkpoint``'d ``f`` saves, one line per value (``f32[16,64] output of ...``)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return out.getvalue().splitlines()
+
+
+def _params(key=0):
+    k = jax.random.split(jax.random.key(key), 4)
+    return {"gate": jax.random.normal(k[0], (2, D, H)) * 0.1, "up": jax.random.normal(k[1], (2, D, H)) * 0.1,
+            "down": jax.random.normal(k[2], (2, H, D)) * 0.1}, jax.random.normal(k[3], (2, T, D))
+
+
+def _jaxbwd_layer(impl):
+    mm = lambda a, b: jaxbwd.matmul(a, b, implementation=impl)
+    return lambda x, p: x + mm(jaxbwd.swiglu(mm(x, p["gate"]), mm(x, p["up"]), implementation=impl), p["down"])
+
+
+def _jnp_layer(x, p):
+    return x + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def _loss(layer, policy):
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    return lambda x, p: jnp.sum(jax.lax.scan(lambda c, q: (body(c, q), None), x, p)[0] ** 2)
+
+
+def _grad_flops(layer, policy):
+    p, x = _params()
+    cost = jax.jit(jax.grad(_loss(layer, policy), argnums=1)).lower(x, p).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+@pytest.mark.parametrize("name", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_policy_saves_the_products_jax_saves_in_plain_jnp(name):
+    # The compiled gradient step of a scanned SwiGLU MLP: jaxbwd's ops under jaxbwd's policy
+    # cost what the jnp model costs under JAX's policy of the same name (the products are
+    # saved, not recomputed), and less than recomputing everything.
+    # (Equal to a few elementwise FLOPs: the ops' f32-accumulating products differ in casts.)
+    ours = _grad_flops(_jaxbwd_layer("xla"), getattr(P, name))
+    assert ours == pytest.approx(_grad_flops(_jnp_layer, getattr(CP, name)), rel=1e-4)
+    assert ours < 0.9 * _grad_flops(_jaxbwd_layer("xla"), CP.nothing_saveable)
+    # JAX's own policy saves none of jaxbwd's products on jax >= 0.12 (the defect this fixes).
+    jax_own = _grad_flops(_jaxbwd_layer("xla"), getattr(CP, name))
+    assert jax_own == (_grad_flops(_jaxbwd_layer("xla"), CP.nothing_saveable) if FORWARD_MODE else ours)
+
+
+def test_offload_policy_offloads_the_ops_products():
+    f = jax.checkpoint(_jaxbwd_layer("xla"), policy=P.offload_dot_with_no_batch_dims("device", "pinned_host"))
+    p, x = _params()
+    saved = saved_residuals(f, x[0], jax.tree.map(lambda a: a[0], p))
+    offloaded = [line for line in saved if line.startswith("f32<host>")]
+    # The gate and up products ([T, H], which the backward of swiglu needs) go to the host.
+    assert sum(line.startswith(f"f32<host>[{T},{H}]") for line in offloaded) >= 2, saved
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("name", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_gradients_under_the_policies_equal_no_remat(impl, name):
+    p, x = _params()
+    q = jax.random.normal(jax.random.key(5), (1, 8, 2, 16))
+
+    def layer(x, p):  # products, attention and a norm, so every kind of rule is saved or not
+        h = _jaxbwd_layer(impl)(x, p)
+        a = jaxbwd.dot_product_attention(q, q, q, is_causal=True, implementation=impl)
+        return jaxbwd.rms_norm(h, jnp.ones(D), implementation=impl) + jnp.mean(a)
+
+    want = jax.grad(_loss(layer, None), argnums=1)(x, p)
+    got = jax.grad(_loss(layer, getattr(P, name)), argnums=1)(x, p)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_save_ops_saves_the_named_op_only():
+    w = jnp.ones(D)
+    f = lambda x: jnp.sum(jnp.sin(jaxbwd.rms_norm(jnp.tanh(x), w)) * jaxbwd.silu(x))
+    x = jax.random.normal(jax.random.key(1), (T, D))
+    named = saved_residuals(jax.checkpoint(f, policy=P.save_ops("rms_norm")), x)
+    nothing = saved_residuals(jax.checkpoint(f, policy=CP.nothing_saveable), x)
+    if FORWARD_MODE:
+        # The norm's output and its saved [T] rstd, beyond the argument.
+        assert len(named) > len(nothing)
+        assert any(line.startswith(f"f32[{T}] output of") for line in named), named
+    else:  # jax < 0.12: the ops are custom_vjp functions; no equation is an op
+        assert len(named) == len(nothing)
+    chex.assert_trees_all_close(jax.grad(jax.checkpoint(f, policy=P.save_ops("rms_norm")))(x), jax.grad(f)(x),
+                                rtol=1e-6)
+
+
+def test_save_ops_needs_names():
+    with pytest.raises(TypeError, match="jaxbwd.checkpoint_policies.save_ops: op names must be strings, got 3"):
+        P.save_ops("matmul", 3)
