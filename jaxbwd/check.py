@@ -20,9 +20,10 @@ from jaxbwd import config, registry
 class CheckRow:
     """One line of the report for one output or gradient.
 
-    ``max_abs`` is ``max|a - b|``; ``max_rel`` is ``max|a - b| / max(1, max|b|)``, the error
-    relative to the gradient's scale (an elementwise relative error is meaningless where
-    the true gradient is near zero).
+    ``max_abs`` is ``max|a - b|``; ``max_rel`` is ``max|a - b| / max|b|``, the error relative
+    to the result's scale (an elementwise relative error is meaningless where the true
+    gradient is near zero; an absolute one passes any small gradient, a zero one included),
+    or ``max|a - b|`` where ``b`` is all zero.
     """
 
     op: str
@@ -55,7 +56,7 @@ def check_op(spec: registry.OpSpec, implementation: str, *, tol: float = 1e-4, s
       spec: the op's registry entry.
       implementation: ``"pallas"`` or ``"xla"``; Pallas runs in interpret mode unless a GPU
         is the default backend.
-      tol: pass threshold for ``max|a - b| / max(1, max|b|)``.
+      tol: pass threshold for ``max|a - b| / max|b|`` (``max|a - b|`` where b is all zero).
 
     Returns:
       One ``CheckRow`` for the output and one per differentiable argument. On the Pallas
@@ -78,7 +79,8 @@ def check_op(spec: registry.OpSpec, implementation: str, *, tol: float = 1e-4, s
     for name, a, b in [("out", out, want_out)] + list(zip(_arg_names(spec), grads, want)):
         a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
         abs_err = float(jnp.max(jnp.abs(a32 - b32))) if a.size else 0.0
-        scale = max(1.0, float(jnp.max(jnp.abs(b32))) if b.size else 1.0)
+        scale = float(jnp.max(jnp.abs(b32))) if b.size else 0.0
+        scale = scale if scale > 0 else 1.0
         finite = bool(jnp.all(jnp.isfinite(a32)))
         ok = finite and abs_err / scale <= tol
         note = "" if name == "out" or not missing else "no " + ", ".join(missing) + " in the backward"
@@ -90,7 +92,9 @@ def check(ops: Optional[Sequence[str]] = None, implementations: Sequence[str] = 
           progress: Optional[Callable[[int, int, str], None]] = None) -> list[CheckRow]:
     """Runs :func:`check_op` for the named ops (all when ``None``) and implementations.
 
-    Ops whose backward is XLA by design are checked with ``"xla"`` only.
+    Ops whose backward is XLA by design are checked with ``"xla"`` only. An op whose check
+    raises (a user op's rule returning the wrong shape, say) gets one failing row naming the
+    exception, with ``arg=""``, and the other ops are still checked.
 
     Args:
       progress: called as ``progress(i, n, name)`` before the ``i``-th of ``n`` ops, and as
@@ -107,7 +111,12 @@ def check(ops: Optional[Sequence[str]] = None, implementations: Sequence[str] = 
         for impl in implementations:
             if impl == "pallas" and not spec.has_kernels:
                 continue
-            rows.extend(check_op(spec, impl))
+            try:
+                rows.extend(check_op(spec, impl))
+            except Exception as e:  # a report per op: one op's error must not hide the others'
+                first = (str(e).strip().splitlines() or [""])[0]
+                rows.append(CheckRow(spec.name, impl, "", float("nan"), float("nan"), False,
+                                     f"{type(e).__name__}: {first}"))
     if progress is not None:
         progress(len(specs), len(specs), "")
     return rows

@@ -89,6 +89,37 @@ def test_check_fails_a_pallas_path_that_runs_no_named_kernel():
     assert all(r.ok for r in check_op(spec, "xla"))
 
 
+def _small_spec(name, forward, backward, reference):
+    op = jaxbwd.define_op(name, forward=forward, backward=backward)
+    return op.spec(reference=reference, examples=(registry.Example(
+        "4x64", lambda k, dt: ((jax.random.normal(k, (4, 64), jnp.float32).astype(dt),), {})),))
+
+
+def test_check_fails_a_wrong_gradient_of_small_scale():
+    # f(x) = 1e-5 x^2 with a backward of half the true gradient (about 1e-5): the error is
+    # judged against the gradient's own scale, not an absolute floor of 1.
+    from jaxbwd.check import check_op
+
+    half = _small_spec("half_grad_test", lambda x: 1e-5 * x ** 2, lambda r, d: (1e-5 * r[0] * d,),
+                       lambda x: 1e-5 * x ** 2)
+    forward, grad = check_op(half, "xla")
+    assert forward.ok and not grad.ok and grad.max_rel == pytest.approx(0.5, rel=1e-3)
+    right = _small_spec("small_grad_test", lambda x: 1e-5 * x ** 2, lambda r, d: (2e-5 * r[0] * d,),
+                        lambda x: 1e-5 * x ** 2)
+    assert all(r.ok for r in check_op(right, "xla"))
+
+
+def test_check_reports_an_op_that_raises_and_checks_the_rest(monkeypatch):
+    from jaxbwd import check as C
+
+    bad = _small_spec("bad_shape_test", lambda x: 2 * x, lambda r, d: (d[:1],), lambda x: 2 * x)
+    good = _small_spec("good_test", lambda x: 2 * x, lambda r, d: (2 * d,), lambda x: 2 * x)
+    monkeypatch.setattr(registry, "ops", lambda names=None: [bad, good])
+    rows = C.check(implementations=("xla",))
+    assert [(r.op, r.ok) for r in rows] == [("bad_shape_test", False), ("good_test", True), ("good_test", True)]
+    assert rows[0].arg == "" and rows[0].note.startswith("ValueError: jaxbwd.bad_shape_test: backward's cotangent")
+
+
 def test_spec_needs_examples_and_lowering_shapes_for_kernels():
     with pytest.raises(ValueError, match=r"cube_fwd_test.spec: examples must hold at least one Example"):
         cube_fwd.spec(reference=lambda x: x ** 3, examples=())
