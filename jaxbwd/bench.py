@@ -135,6 +135,7 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
     flops = spec.flops(*args, **kwargs) if spec.flops else None
     shapes = " ".join("x".join(map(str, a.shape)) + ":" + jnp.dtype(a.dtype).name for a in args if hasattr(a, "shape"))
     if mode == "jvp":
+        jvp_flops = spec.jvp_flops(*args, **kwargs) if spec.jvp_flops else None
         keys = jax.random.split(jax.random.PRNGKey(1), len(diff))
         tangents = [jax.random.normal(k, d.shape, jnp.float32).astype(d.dtype) for k, d in zip(keys, diff)]
         step_ours, step_ref = jax.jit(jvp_step(ours, len(diff))), jax.jit(jvp_step(theirs, len(diff)))
@@ -146,8 +147,7 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
             op=spec.name, shapes=shapes, implementation=implementation, mode=mode,
             ms=t_ours * 1e3, ms_autodiff=t_ref * 1e3, speedup=t_ref / t_ours,
             gb_s=gb_s, of_copy=gb_s / copy_gb_s if copy_gb_s else 0.0,
-            # the tangent pass is about the forward's FLOPs again (attention: 2 of its 3.5 units)
-            tflop_s=(flops * 4 / 7 / t_ours / 1e12) if flops else None,
+            tflop_s=(jvp_flops / t_ours / 1e12) if jvp_flops else None,
             residual_bytes=None, residual_bytes_autodiff=None,
             temp_bytes=_temp_bytes(step_ours, *diff, *tangents), temp_bytes_autodiff=_temp_bytes(step_ref, *diff, *tangents),
         )

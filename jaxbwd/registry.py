@@ -76,6 +76,8 @@ class OpSpec:
     bench: tuple[tuple[str, Example], ...] = ()
     # FLOPs of forward + backward for compute-bound ops (attention, conv): f(*args, **kwargs).
     flops: Optional[Callable[..., float]] = None
+    # FLOPs of forward + tangent (bench --mode jvp), as ``flops``.
+    jvp_flops: Optional[Callable[..., float]] = None
     # Forward mode (jax.jvp/linearize/jacfwd): the Pallas kernels the tangent rule runs on the
     # kernel path (() when it is an XLA formula on both), and, for ops whose autodiff JVP
     # would hold a large intermediate, (inputs as ShapeDtypeStructs, budget(*args, **kwargs)):
@@ -163,6 +165,15 @@ def _x_w_lowering(extra=False, **kw):
         return Example(f"{s}-{dt}", make)
 
     return tuple(build(s, dt) for s, dt in ROW_LOWERING)
+
+
+def _attention_flops(q, k, v, is_causal=False, **_):
+    return 3.5 * 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3] / (2 if is_causal else 1)
+
+
+def _conv2d_flops(x, w, **kw):
+    return 3 * 2 * w.shape[0] * w.shape[1] * w.shape[2] * jnp.size(
+        jax.eval_shape(lambda a, b: ref.conv2d(a, b, **kw), x, w))
 
 
 def _norm_bad(fn_args):
@@ -544,9 +555,10 @@ _SPECS: list[OpSpec] = [
             BadInput("integer q", lambda: ((jnp.ones((1, 8, 4, 16), jnp.int32), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16))), {}), TypeError, r"query must have a floating dtype.*got int32"),
         ),
         # fwd 4*B*N*T*S*H (QK^T and PV), bwd 2.5x fwd; causal halves both.
-        flops=lambda q, k, v, is_causal=False, **_: (
-            3.5 * 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3] / (2 if is_causal else 1)
-        ),
+        flops=_attention_flops,
+        # The tangent kernel's five products (q k^T again, dq k^T, q dk^T, P dv, (P * dS) v):
+        # 2.5x the forward, so forward + tangent is 3.5x as forward + backward.
+        jvp_flops=_attention_flops,
         # q, k, v and out (out is q-sized) + f32 lse [B, N, T] + the segment ids (q and kv):
         # O(B*N*T) beyond the arrays, no T x S array.
         residual_budget=lambda q, k, v, segment_ids=None, **_: (
@@ -674,9 +686,9 @@ _SPECS: list[OpSpec] = [
             BadInput("integer x", lambda: ((jnp.ones((1, 8, 8, 4), jnp.int32), jnp.ones((3, 3, 4, 8))), {}), TypeError, r"x must have a floating dtype"),
         ),
         # forward 2*N*Ho*Wo*Cout*kh*kw*Cin/groups, dgrad and wgrad the same each.
-        flops=lambda x, w, **kw: 3 * 2 * w.shape[0] * w.shape[1] * w.shape[2] * jnp.size(
-            jax.eval_shape(lambda a, b: ref.conv2d(a, b, **kw), x, w)
-        ),
+        flops=_conv2d_flops,
+        # bilinear tangent conv(dx, w) + conv(x, dw): two forwards, so 3 with the forward too.
+        jvp_flops=_conv2d_flops,
         # x and w only (aliases of live inputs).
         residual_budget=lambda x, w, **_: _nbytes(x, w),
     ),
@@ -910,6 +922,8 @@ _SPECS.append(OpSpec(
     ),
     # Pallas: forward 2RDV, backward two logit recomputations (2 x 2RDV) and dx, dw (2 x 2RDV).
     flops=lambda x, w, labels, **_: 10.0 * x.size * (w.size // x.shape[-1]),
+    # forward 2RDV; tangent: the logits recomputed, dx w and x dw (3 x 2RDV).
+    jvp_flops=lambda x, w, labels, **_: 8.0 * x.size * (w.size // x.shape[-1]),
     # x and w (aliases of live inputs), int32 labels and the f32 max and sum per token, plus
     # [tokens] vectors of the weighting and reduction outside the primitive: O(tokens).
     residual_budget=lambda x, w, labels, **_: _nbytes(x, w) + 32 * _rows(x),

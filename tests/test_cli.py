@@ -91,6 +91,22 @@ def test_bench_jvp_mode_times_forward_mode_against_the_reference(capsys):
         assert r[8:10] == ["-", "-"], r
 
 
+@pytest.mark.skipif(not FORWARD_MODE, reason="forward mode needs jax >= 0.12")
+@pytest.mark.parametrize("op,units", [("dot_product_attention", 3.5), ("conv2d", 3.0), ("linear_cross_entropy", 4.0)])
+def test_bench_jvp_tflops_count_the_tangent_rules_products(op, units):
+    # TFLOP/s in jvp mode: forward + tangent, in units of the forward's FLOPs (attention's
+    # tangent kernel runs five products of the forward's two; conv2d's is bilinear, two
+    # forwards; linear_cross_entropy's recomputes the logits and takes dx w and x dw).
+    from jaxbwd import bench, registry
+
+    spec = registry.get(op)
+    args, kwargs = bench.bench_inputs(spec, "small", jax.random.PRNGKey(0))
+    fwd_units = {"dot_product_attention": 3.5, "conv2d": 3.0, "linear_cross_entropy": 5.0}[op]  # in spec.flops
+    assert spec.jvp_flops(*args, **kwargs) == pytest.approx(spec.flops(*args, **kwargs) * units / fwd_units)
+    row = bench.bench_op(spec, "small", "xla", copy_gb_s=0.0, repeats=1, mode="jvp")
+    assert row.tflop_s * row.ms * 1e9 == pytest.approx(spec.jvp_flops(*args, **kwargs), rel=1e-6)
+
+
 def test_bench_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match=r"jaxbwd bench: mode must be 'vjp' or 'jvp', got 'hvp'"):
         bench.run(["silu"], implementation="xla", mode="hvp")
