@@ -486,3 +486,19 @@ def test_eager_ops_pass_debug_nans_and_debug_infs(impl):
     with jaxbwd.config.use(interpret=True), jax.debug_nans(True), jax.debug_infs(True):
         got = (jax.value_and_grad(att)(q), jax.grad(emb)(table))
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_8_bit_floats_are_refused_by_name(dtype):
+    # Every op, every differentiable argument: a TypeError naming the op and the dtype (the
+    # kernels and formulas are written for 16- to 64-bit floats; 8-bit results and gradients
+    # would be silently rounded to 8 bits).
+    from jaxbwd import registry
+
+    for spec in registry.ops():
+        args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
+        for i in spec.diff_argnums:
+            bad = list(args)
+            bad[i] = bad[i].astype(dtype)
+            with pytest.raises(TypeError, match=rf"^jaxbwd\.{spec.name}: .*got {dtype}"):
+                spec.fn(*bad, **kwargs)

@@ -118,9 +118,15 @@ def check_array(op: str, name: str, x: Any) -> None:
         raise TypeError(f"jaxbwd.{op}: {name} must be an array, got {type(x).__name__}")
 
 
+_FLOATS = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
+
+
 def check_float(op: str, name: str, x: Any) -> None:
     check_array(op, name, x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    # Not every floating dtype: the 8- and 4-bit formats (float8_e4m3fn, ...) would run
+    # through kernels and formulas written for 16- and 32-bit inputs and return results and
+    # gradients rounded to 8 bits, a training recipe (scaled fp8) that no op implements.
+    if jnp.result_type(x) not in _FLOATS:
         raise TypeError(
             f"jaxbwd.{op}: {name} must have a floating dtype (float32, bfloat16, float16; float64 "
             f"runs the XLA implementation), got {_dtype_name(x)}"
