@@ -269,6 +269,12 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
                     "Triton kernels)"
                 )
             have = {f"sm_{k}": v for k, v in MOSAIC_KERNELS.get(op, {}).items()}
+            if dtype is None:  # called without operands: an op whose work is XLA's by design
+                raise ValueError(
+                    f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel: this op has "
+                    f"no Pallas kernels (its work is XLA's by design); Mosaic kernels exist for "
+                    f"{sorted(MOSAIC_KERNELS)}"
+                )
             raise ValueError(
                 f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel for "
                 f"{jax.numpy.dtype(dtype).name} inputs with last dim {last_dim} on sm_{sm}; "

@@ -189,6 +189,17 @@ def test_per_call_mosaic_without_a_kernel_raises():
 
 
 @needs_mosaic
+def test_per_call_mosaic_on_an_op_without_kernels_says_so():
+    # Such ops resolve their implementation without operands; the message once spoke of
+    # "float64 inputs with last dim None".
+    import jaxbwd
+
+    with pytest.raises(ValueError, match=r"jaxbwd.matmul: implementation='pallas:mosaic' has no Mosaic GPU "
+                                         r"kernel: this op has no Pallas kernels \(its work is XLA's by design\)"):
+        jaxbwd.matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), implementation="pallas:mosaic")
+
+
+@needs_mosaic
 def test_interpreter_refuses_a_cpu_pool_that_would_deadlock(monkeypatch):
     from jaxbwd.pallas.mosaic import _mgpu
 
