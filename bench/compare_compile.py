@@ -52,7 +52,7 @@ def compiled_cases(report) -> set[str]:
 
 def aggregate(report, cases=None):
     """Per (kernel, dtype, gpu): the worst figures over the rows of ``cases`` (all: None)."""
-    out = defaultdict(lambda: {"reg": 0, "stack": 0, "tc": set(), "sass": 0, "expf": 0, "occ": 1.0, "waves": 1e9})
+    out = defaultdict(lambda: {"reg": 0, "stack": 0, "tc": set(), "sass": 0, "expf": 0, "occ": 1.0, "waves": None})
     for r in report["rows"]:
         if cases is not None and case_id(r) not in cases:
             continue
@@ -60,10 +60,11 @@ def aggregate(report, cases=None):
         a["reg"] = max(a["reg"], r["registers"])
         a["stack"] = max(a["stack"], r["stack"])
         a["tc"].add(r["tensor_core"])
-        a["sass"] += r["sass"]
-        a["expf"] += r["expf"]
+        for k in ("sass", "expf"):  # "-" for Mosaic kernels (no SASS from XLA's compile): stays "-"
+            a[k] = a[k] + r[k] if isinstance(a[k], int) and isinstance(r[k], int) else "-"
         a["occ"] = min(a["occ"], r["occupancy"])
-        a["waves"] = min(a["waves"], r["waves"])
+        if r["waves"] == r["waves"]:  # NaN for Mosaic kernels, whose grid the dump does not give
+            a["waves"] = r["waves"] if a["waves"] is None else min(a["waves"], r["waves"])
     return out
 
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         return 2
     b, a = aggregate(before, both), aggregate(after, both)
     fmt = {"reg": str, "stack": str, "tc": lambda v: "/".join(sorted(v)), "sass": str, "expf": str,
-           "occ": lambda v: f"{v:.0%}", "waves": lambda v: f"{v:.2f}"}
+           "occ": lambda v: f"{v:.0%}", "waves": lambda v: "-" if v is None else f"{v:.2f}"}
     cols = ("reg", "stack", "tc", "sass", "expf", "occ", "waves")
     left_out = _left_out("before", before, cb, ca) + _left_out("after", after, ca, cb)
     print(f"Before: {args.before} ({len(cb)} cases compiled, {len(before.get('failures') or [])} failed); "

@@ -77,6 +77,17 @@ def test_compare_compile_subset_against_full_sweep(tmp_path):
     assert "`rms_norm/a/float32/h200`: compiled in before only" in r.stdout
 
 
+def test_compare_compile_reads_mosaic_rows(tmp_path):
+    # Mosaic kernels have no SASS or expf count ("-") and no grid (NaN waves) in the reports.
+    mosaic = dict(_row("dot_product_attention", "a", kernel="attention_fwd_mosaic"), sass="-", expf="-",
+                  waves=float("nan"))
+    rows = [mosaic, _row("dot_product_attention", "a", kernel="attention_jvp")]
+    before, after = _report(tmp_path, "before.json", rows), _report(tmp_path, "after.json", rows)
+    r = _run("compare_compile.py", before, after)
+    assert r.returncode == 0, r.stderr
+    assert "| attention_fwd_mosaic | float32 | h200 | 64 | 0 | none | - | - | 50% | - |" in _table_rows(r.stdout)
+
+
 def test_compare_compile_refuses_what_is_not_a_compile_report(tmp_path):
     good = _report(tmp_path, "good.json", [_row("silu", "a")])
     _refused(_run("compare_compile.py", good, tmp_path / "nosuch.json"), "nosuch.json", "no such file")
