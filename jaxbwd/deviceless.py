@@ -758,8 +758,12 @@ def _worker_main(workdir: str) -> int:
     """A compile worker: says ``{"ready": true}`` once its imports are done, then reads one
     JSON case per stdin line and answers one JSON line each. ``workdir`` is made and removed
     by the parent: a worker killed for a timeout or a signal cleans nothing up itself."""
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything else printed (a user module at import too) must not break the protocol
+    # The protocol goes through a private copy of fd 1; fd 1 itself (print, and C-level writes
+    # of XLA, ptxas or a user module's extension) is pointed at stderr, so nothing else
+    # printed can break it.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import jax
 
     from jaxbwd import registry
@@ -846,7 +850,17 @@ def worker_count(jobs: Optional[int], n_cases: int) -> int:
 
 
 def _raise_exit(signum, frame):
+    print(f"jaxbwd compile: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     raise SystemExit(128 + signum)  # as the default action's exit status; run's cleanup runs first
+
+
+def _answer(line: str) -> Optional[dict]:
+    """A worker's JSON answer (``{"rows": ...}`` or ``{"error": ...}``), or None for anything else."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) and ("rows" in msg or "error" in msg) else None
 
 
 def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float = 900.0,
@@ -912,15 +926,18 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
                     line = w.answer(timeout)  # the case's time: from here, the worker being ready
                 except OSError:  # its pipe: the worker has ended
                     line = ""
-                if line:
-                    msg = json.loads(line)
-                else:  # timed out or died: the next case gets a fresh worker
-                    code = w.close(kill=line is None)
+                msg = _answer(line) if line else None
+                if msg is None:  # timed out, died or garbled: the next case gets a fresh worker
+                    code = w.close(kill=line != "")  # a garbled worker may still be busy
                     live.discard(w)
                     w = None
                     msg = {"case": case.id, "error": f"timed out after {timeout:g} s" if line is None
-                           else f"the compile worker died (exit code {code})"}
+                           else f"the compile worker died (exit code {code})" if line == ""
+                           else f"the compile worker answered {line.strip()[:200]!r}, not JSON"}
                 results.put((case, msg))
+        except Exception as e:  # a bug here must fail cases, never leave the main loop waiting
+            failed.append(e)
+            results.put((None, {"error": f"{type(e).__name__}: {e}"}))
         finally:
             if w is not None:
                 w.close()
@@ -929,9 +946,11 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
     # A job scheduler's SIGTERM (or a closed terminal's SIGHUP) ends the run as Ctrl-C does,
     # through the cleanup below; by default the parent would die and leave its workers
     # compiling. Only while compiling, and only where handlers can be set (the main thread).
-    signals = (signal.SIGTERM, signal.SIGHUP)
+    # A signal set to be ignored (nohup's SIGHUP) stays ignored.
+    signals = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN]
     old = ({s: signal.signal(s, _raise_exit) for s in signals}
            if threading.current_thread() is threading.main_thread() else {})
+    failed: list[Exception] = []
     threads = [threading.Thread(target=serve, daemon=True) for _ in range(jobs)]
     rows, failures, start_time = [], [], time.time()
     try:
@@ -939,6 +958,8 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
             t.start()
         for _ in range(len(case_list)):
             case, msg = results.get()
+            if failed:
+                raise RuntimeError(f"jaxbwd compile: a worker thread failed: {msg['error']}") from failed[0]
             if "error" in msg:
                 failures.append({"case": case.id, "error": msg["error"]})
             else:
@@ -948,6 +969,8 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
         for t in threads:
             t.join()
     finally:
+        for s in old:  # a second signal must not interrupt the cleanup and orphan workers
+            signal.signal(s, signal.SIG_IGN)
         with lock:
             stop.set()
             stopping = list(live)

@@ -405,6 +405,9 @@ for line in sys.stdin:
     log.write(f"case {os.getpid()} {case['shape_name']}\\n")
     if os.environ.get("FAKE_WORKER_HANG") in (case["shape_name"], "*"):
         time.sleep(600)
+    if os.environ.get("FAKE_WORKER_GARBLE") == case["shape_name"]:
+        print("a stray line", flush=True)
+        continue
     time.sleep(0.1)
     print(json.dumps({"case": case["op"], "rows": []}), flush=True)
 '''
@@ -505,9 +508,44 @@ def test_a_signal_during_compile_kills_the_workers_and_removes_their_folders(sig
     assert "Traceback" not in err
     if signame == "SIGINT":
         assert err.endswith("\ninterrupted\n")
+    else:
+        assert f"jaxbwd compile: stopped by {signame}\n" in err, err
     workers = _workers(tmp_path)
     assert len(workers) == 2 and not any(_alive(pid) for pid, _ in workers)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_garbled_answer_fails_its_case_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A worker line that is not JSON killed the thread serving it and left run() waiting."""
+    from jaxbwd import deviceless
+
+    _fake_worker(tmp_path, monkeypatch, garble="(4096, 5120)")
+    cases = deviceless.cases(["silu"], dtypes=("float32",))
+    report = deviceless.run(cases, jobs=1, timeout=60)
+    assert report["failures"] == [{"case": cases[1].id,
+                                   "error": "the compile worker answered 'a stray line', not JSON"}]
+    assert not any(_alive(pid) for pid, _ in _workers(tmp_path))
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
+    """Under nohup (SIGHUP ignored) a closed terminal must not stop the sweep."""
+    import signal
+    import threading
+
+    from jaxbwd import deviceless
+
+    _fake_worker(tmp_path, monkeypatch)
+    cases = deviceless.cases(["silu"], dtypes=("float32",))
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGHUP))
+        timer.start()
+        report = deviceless.run(cases, jobs=1, timeout=60)
+        timer.join()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert report["failures"] == [] and len(report["meta"]) > 0
 
 
 @pytest.mark.compile
