@@ -678,6 +678,26 @@ def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
     chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
 
 
+def test_linen_and_nnx_modules_with_8_bit_floats_run_flax_code():
+    """The ops refuse 8-bit floats; the modules take them as flax's do, through flax's code."""
+    f8 = jnp.float8_e4m3fn
+    x = _rand((2, 4, 8)).astype(f8)
+    for name, kw in [("Dense", {"features": 3, "param_dtype": f8}),
+                     ("Conv", {"features": 3, "kernel_size": (2,), "param_dtype": f8}),
+                     ("Dropout", {"rate": 0.5, "deterministic": False})]:  # (flax's norms refuse fp8)
+        ours, theirs = getattr(jnn, name)(**kw), getattr(fnn, name)(**kw)
+        p = theirs.init(jax.random.PRNGKey(1), x)
+        rngs = {"dropout": jax.random.PRNGKey(2)}
+        chex.assert_trees_all_equal(ours.apply(p, x, rngs=rngs), theirs.apply(p, x, rngs=rngs))
+    emb, femb = jnn.Embed(16, 8, param_dtype=f8), fnn.Embed(16, 8, param_dtype=f8)
+    ids = jnp.array([[1, 5, 3]])
+    p = femb.init(jax.random.PRNGKey(1), ids)
+    chex.assert_trees_all_equal(emb.apply(p, ids), femb.apply(p, ids))
+    chex.assert_trees_all_equal(emb.apply(p, x[:, :, :8], method="attend"), femb.apply(p, x[:, :, :8], method="attend"))
+    lin, flin = jnnx.Linear(8, 3, param_dtype=f8, rngs=nnx.Rngs(0)), nnx.Linear(8, 3, param_dtype=f8, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(lin(x), flin(x))
+
+
 def test_attention_fns_integer_bias_and_wide_heads_follow_flax():
     """A bool bias is added as 0/1, as flax adds it; head dims past the Pallas kernels' 256
     run the XLA path under a Pallas default (flax computes them)."""

@@ -42,7 +42,7 @@ def last_axis_stats(mod, x, mask, *dtypes) -> bool:
     """RMSNorm / LayerNorm on the kernel path: :func:`plain_stats` over the last axis of x,
     and x and ``dtypes`` (the module's dtypes or parameters) real."""
     return (plain_stats(mod, mask) and last_axis_only(x.ndim, mod.reduction_axes, mod.feature_axes)
-            and real(x, *dtypes))
+            and takes_dtypes(x, *dtypes))
 
 
 def refuse_weight_offset(module: str, mod, x, mask) -> None:
@@ -73,10 +73,10 @@ def compute_dtype(out_dtype, *arrays):
     return jnp.promote_types(dt, out_dtype) if out_dtype is not None else dt
 
 
-def real(*xs) -> bool:
-    """No complex array or dtype among ``xs`` (None skipped). jaxbwd's ops take real inputs;
-    flax's modules take complex ones too, so a complex call runs flax's code."""
-    return not any(x is not None and jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in xs)
+def takes_dtypes(*xs) -> bool:
+    """Every array or dtype among ``xs`` (None skipped) is one jaxbwd's ops take. flax's
+    modules take complex and 8-bit float ones too, so such a call runs flax's code."""
+    return all(x is None or B.takes_dtype(jnp.result_type(x)) for x in xs)
 
 
 def rms_norm(x, scale, *, eps, weight_offset, out_dtype, impl):
@@ -232,7 +232,7 @@ def dropout_covered(inputs, rate, broadcast_dims) -> bool:
     between 0 and 1 (flax's own code returns early at 0 and 1) and no broadcast dims."""
     static = isinstance(rate, (int, float)) and not isinstance(rate, bool)
     return (static and 0.0 < rate < 1.0 and not tuple(broadcast_dims)
-            and jnp.issubdtype(jnp.result_type(inputs), jnp.floating))
+            and jnp.issubdtype(jnp.result_type(inputs), jnp.floating) and takes_dtypes(inputs))
 
 
 def threefry_key(key) -> bool:

@@ -120,13 +120,13 @@ class Embed(_Impl, fnn.Embed):
         if not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
             return super().__call__(inputs)
         (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
-        if not jnp.issubdtype(embedding.dtype, jnp.floating):
+        if not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
             return super().__call__(inputs)
         return K.embed_lookup(inputs, embedding, self.implementation)
 
     def attend(self, query):
         query, embedding = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        if jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating):
+        if jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
             return super().attend(query)
         return K.attend(query, embedding, self.implementation)
 
@@ -158,7 +158,7 @@ class Dense(_Impl, fnn.Dense):
     @fnn.compact
     def __call__(self, inputs):
         if (self.precision is not None or self.dot_general is not None or self.dot_general_cls is not None
-                or jnp.ndim(inputs) == 0 or not K.real(inputs, self.param_dtype, self.dtype)):
+                or jnp.ndim(inputs) == 0 or not K.takes_dtypes(inputs, self.param_dtype, self.dtype)):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
@@ -197,7 +197,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                # also takes another value depth), keys and values of one length.
                and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]
                and query.shape[-2] == key.shape[-2] == value.shape[-2] and key.shape[-3] == value.shape[-3]
-               and query.shape[-1] == key.shape[-1] == value.shape[-1] and K.real(query)
+               and query.shape[-1] == key.shape[-1] == value.shape[-1] and K.takes_dtypes(query)
                and key.shape[-3] > 0)  # no keys: flax's zeros (the op asks for S >= 1)
     if not covered:
         return fnn.dot_product_attention(
@@ -329,7 +329,7 @@ class GroupNorm(_Impl, fnn.GroupNorm):
         K.check_activation("nn.GroupNorm", self.activation)
         g = self._groups(x.shape[-1]) if x.ndim else None
         if not (K.plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, g)
-                and K.real(x, self.param_dtype, self.dtype)):
+                and K.takes_dtypes(x, self.param_dtype, self.dtype)):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         c = x.shape[-1]
@@ -364,7 +364,7 @@ class BatchNorm(_Impl, fnn.BatchNorm):
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         if not (isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
                 and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2
-                and jnp.size(x) > 0 and 0 <= self.momentum <= 1 and K.real(x, self.param_dtype, self.dtype)):
+                and jnp.size(x) > 0 and 0 <= self.momentum <= 1 and K.takes_dtypes(x, self.param_dtype, self.dtype)):
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = fnn.module.merge_param("use_running_average", self.use_running_average, use_running_average)
         c = x.shape[self.axis]
@@ -458,7 +458,7 @@ class Conv(_Impl, fnn.Conv):
                 and self.precision is None and self.conv_general_dilated is None
                 and self.conv_general_dilated_cls is None
                 and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and min(kernel_shape) > 0
-                and K.real(inputs, self.param_dtype, self.dtype)
+                and K.takes_dtypes(inputs, self.param_dtype, self.dtype)
                 and (self.mask is None or self.mask.shape == kernel_shape)):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)

@@ -115,7 +115,7 @@ class Linear(nnx.Linear, _Impl):
     def __call__(self, inputs, out_sharding=None):
         if (out_sharding is not None or self.precision is not None or self.dot_general is not jax.lax.dot_general
                 or getattr(self, "dot_general_cls", None) is not None or self.preferred_element_type is not None
-                or jnp.ndim(inputs) == 0 or not K.real(inputs, self.dtype, _value(self.kernel))):
+                or jnp.ndim(inputs) == 0 or not K.takes_dtypes(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
         inputs, kernel, bias = self.promote_dtype((inputs, _value(self.kernel), _value(self.bias)), dtype=self.dtype)
         return K.dense(inputs, kernel, bias, self.implementation)
@@ -143,13 +143,14 @@ class Embed(nnx.Embed, _Impl):
         if out_sharding is not None or not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
             return super().__call__(inputs, out_sharding=out_sharding)
         (embedding,) = self.promote_dtype((_value(self.embedding),), dtype=self.dtype, inexact=False)
-        if not jnp.issubdtype(embedding.dtype, jnp.floating):
+        if not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
             return super().__call__(inputs)
         return K.embed_lookup(inputs, embedding, self.implementation)
 
     def attend(self, query, out_sharding=None):
         query, embedding = self.promote_dtype((query, _value(self.embedding)), dtype=self.dtype)
-        if out_sharding is not None or jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating):
+        if (out_sharding is not None or jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating)
+                or not K.takes_dtypes(embedding)):
             return super().attend(query, out_sharding=out_sharding)
         return K.attend(query, embedding, self.implementation)
 
@@ -184,7 +185,7 @@ class GroupNorm(nnx.GroupNorm, _Impl):
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         if not (K.plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, self.num_groups)
-                and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
+                and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
@@ -221,7 +222,7 @@ class Conv(nnx.Conv, _Impl):
                 and self.preferred_element_type is None and jnp.ndim(inputs) >= len(ks) + 1
                 and (self.mask is None or self.mask.shape == self.kernel_shape)
                 and min(self.kernel_shape) > 0 and jnp.shape(inputs)[-1] > 0
-                and K.real(inputs, self.dtype, _value(self.kernel))):
+                and K.takes_dtypes(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
         kernel = _value(self.kernel)
         if self.mask is not None:
@@ -405,7 +406,7 @@ class BatchNorm(nnx.BatchNorm, _Impl):
         static = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         if not (use_ra is not None and isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
                 and static(self.epsilon) and self.epsilon > 0 and static(self.momentum) and 0 <= self.momentum <= 1
-                and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.real(x, self.dtype, _value(self.scale), _value(self.bias))):
+                and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, use_running_average, mask=mask)
         x, mean, var, scale, bias = self.promote_dtype(
             (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)

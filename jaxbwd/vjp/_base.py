@@ -121,6 +121,15 @@ def check_array(op: str, name: str, x: Any) -> None:
 _FLOATS = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
 
 
+def takes_dtype(dtype) -> bool:
+    """False for the dtypes no op takes, whatever the argument: complex, and floats other
+    than 16 to 64 bits (float8_e4m3fn, ...). Integers and bools are left to each op."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return False
+    return not jnp.issubdtype(dtype, jnp.floating) or dtype in _FLOATS
+
+
 def check_float(op: str, name: str, x: Any) -> None:
     check_array(op, name, x)
     # Not every floating dtype: the 8- and 4-bit formats (float8_e4m3fn, ...) would run
@@ -128,8 +137,8 @@ def check_float(op: str, name: str, x: Any) -> None:
     # gradients rounded to 8 bits, a training recipe (scaled fp8) that no op implements.
     if jnp.result_type(x) not in _FLOATS:
         raise TypeError(
-            f"jaxbwd.{op}: {name} must have a floating dtype (float32, bfloat16, float16; float64 "
-            f"runs the XLA implementation), got {_dtype_name(x)}"
+            f"jaxbwd.{op}: {name} must have a floating dtype of 16 to 64 bits (float32, bfloat16, "
+            f"float16; float64 runs the XLA implementation), got {_dtype_name(x)}"
         )
 
 
