@@ -20,9 +20,10 @@ What each saves besides JAX's choices (an op's residuals are listed in its docst
   ``matmul`` and ``linear_cross_entropy`` (products with no batch dimensions; attention's
   are batched over heads, and JAX's rule leaves convolutions out).
 
-:func:`save_ops` saves named ops under any policy. On jax < 0.12 the ops are
+:func:`save_ops` saves named ops (jax >= 0.12). On jax < 0.12 the ops are
 ``jax.custom_vjp`` functions whose forward rules remat traces into their own equations, so
-JAX's policies see the dots inside them, and these policies equal JAX's.
+JAX's policies see the dots inside them, the dot policies here equal JAX's, and
+:func:`save_ops` raises (no equation is an op there).
 
 Source: JAX's remat policies (``jax.checkpoint_policies``, "Gradient checkpointing with
 jax.checkpoint" in JAX's docs); the per-op rule is this module's.
@@ -34,7 +35,7 @@ from typing import Callable
 import jax
 from jax import lax
 
-from jaxbwd.vjp._derivatives import op_of_equation
+from jaxbwd.vjp._derivatives import FORWARD_MODE, op_of_equation
 
 __all__ = ["dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dot_with_no_batch_dims", "save_ops"]
 
@@ -46,19 +47,39 @@ def save_ops(*names: str) -> Callable[..., bool]:
     """A policy saving the output and residuals of every application of the named ops.
 
     Args:
-      names: op names as :func:`jaxbwd.registry.ops` lists them (``"matmul"``,
-        ``"dot_product_attention"``, ...); user ops by their ``define_op`` name.
+      names: one or more op names as ``python -m jaxbwd list`` shows them (``"matmul"``,
+        ``"dot_product_attention"``, ...), or names given to :func:`jaxbwd.define_op` /
+        :func:`jaxbwd.define_elementwise` earlier in the process.
 
     Returns:
-      A ``jax.checkpoint`` policy; combine it with JAX's through
-      ``jax.checkpoint_policies.save_from_both_policies``.
+      A ``jax.checkpoint`` policy, ``policy(prim, *avals, **params) -> bool``; combine it
+      with JAX's through ``jax.checkpoint_policies.save_from_both_policies``.
 
     Raises:
       TypeError: a name that is not a string.
+      ValueError: no names, or a name that is no op (a typo would save nothing, silently).
+      NotImplementedError: jax < 0.12, where the ops are ``jax.custom_vjp`` functions and no
+        equation is an op (name an op's output with ``jax.ad_checkpoint.checkpoint_name``
+        and save it with ``save_only_these_names`` there).
     """
+    from jaxbwd import define, registry
+
+    where = "jaxbwd.checkpoint_policies.save_ops"
+    if not names:
+        raise ValueError(f"{where}: give at least one op name")
     for n in names:
         if not isinstance(n, str):
-            raise TypeError(f"jaxbwd.checkpoint_policies.save_ops: op names must be strings, got {n!r}")
+            raise TypeError(f"{where}: op names must be strings, got {n!r}")
+    known = set(registry.REGISTRY) | define.DEFINED
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"{where}: no op is named {', '.join(map(repr, unknown))}; ops: {', '.join(sorted(known))}")
+    if not FORWARD_MODE:
+        raise NotImplementedError(
+            f"{where}: needs jax >= 0.12 (before it the ops are jax.custom_vjp functions, and no "
+            f"equation a policy sees is an op), got jax {jax.__version__}; name an op's output with "
+            "jax.ad_checkpoint.checkpoint_name and save it with save_only_these_names"
+        )
     wanted = frozenset(names)
 
     def policy(prim, *args, **params) -> bool:
@@ -75,8 +96,14 @@ def _with_ops(name: str, jax_policy: Callable[..., object], ops: tuple[str, ...]
         return jax_policy(prim, *args, **params)
 
     policy.__name__ = name
-    policy.__doc__ = (f"``jax.checkpoint_policies.{name}``, and the output and residuals of "
-                      f"jaxbwd's {', '.join(ops)}.")
+    policy.__doc__ = (
+        f"``jax.checkpoint_policies.{name}``, which also saves the output and residuals of "
+        f"jaxbwd's {', '.join(ops)}.\n\n"
+        "Called by ``jax.checkpoint`` as ``policy(prim, *avals, **params)`` for each equation; "
+        "returns what JAX's policy returns, or its saving decision for an application of one of "
+        "those ops. Pass it as ``jax.checkpoint(f, policy=...)``. Raises nothing.\n\n"
+        "Source: JAX's remat policies (jax.checkpoint_policies); the per-op rule is this module's."
+    )
     return policy
 
 
@@ -94,7 +121,13 @@ def offload_dot_with_no_batch_dims(offload_src: str, offload_dst: str) -> Callab
       offload_src, offload_dst: memory kinds, as JAX's (``"device"``, ``"pinned_host"``).
 
     Returns:
-      A ``jax.checkpoint`` policy.
+      A ``jax.checkpoint`` policy. Every output of such an op's forward-rule equation is
+      offloaded, integer ones (linear_cross_entropy's labels) included.
+
+    Raises:
+      Whatever JAX's ``offload_dot_with_no_batch_dims`` raises for the memory kinds.
+
+    Source: JAX's ``jax.checkpoint_policies.offload_dot_with_no_batch_dims``.
     """
     jax_policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims(offload_src, offload_dst)
     # JAX's decision for a product with no batch dimensions: the same offload, its own type.

@@ -92,22 +92,30 @@ def test_gradients_under_the_policies_equal_no_remat(impl, name):
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not FORWARD_MODE, reason="save_ops needs jax >= 0.12 (tested below)")
 def test_save_ops_saves_the_named_op_only():
     w = jnp.ones(D)
     f = lambda x: jnp.sum(jnp.sin(jaxbwd.rms_norm(jnp.tanh(x), w)) * jaxbwd.silu(x))
     x = jax.random.normal(jax.random.key(1), (T, D))
     named = saved_residuals(jax.checkpoint(f, policy=P.save_ops("rms_norm")), x)
     nothing = saved_residuals(jax.checkpoint(f, policy=CP.nothing_saveable), x)
-    if FORWARD_MODE:
-        # The norm's output and its saved [T] rstd, beyond the argument.
-        assert len(named) > len(nothing)
-        assert any(line.startswith(f"f32[{T}] output of") for line in named), named
-    else:  # jax < 0.12: the ops are custom_vjp functions; no equation is an op
-        assert len(named) == len(nothing)
+    # The norm's output and its saved [T] rstd, beyond the argument.
+    assert len(named) > len(nothing)
+    assert any(line.startswith(f"f32[{T}] output of") for line in named), named
     chex.assert_trees_all_close(jax.grad(jax.checkpoint(f, policy=P.save_ops("rms_norm")))(x), jax.grad(f)(x),
                                 rtol=1e-6)
 
 
-def test_save_ops_needs_names():
+def test_save_ops_needs_names_of_ops():
     with pytest.raises(TypeError, match="jaxbwd.checkpoint_policies.save_ops: op names must be strings, got 3"):
         P.save_ops("matmul", 3)
+    with pytest.raises(ValueError, match="save_ops: give at least one op name"):
+        P.save_ops()
+    with pytest.raises(ValueError, match=r"save_ops: no op is named 'rmsnorm'; ops: .*rms_norm"):
+        P.save_ops("rms_norm", "rmsnorm")
+    jaxbwd.define_op("policy_named_test", forward=lambda x: x, backward=lambda r, d: (d,))
+    if FORWARD_MODE:
+        assert P.save_ops("policy_named_test", "rms_norm").__name__ == "save_ops('policy_named_test', 'rms_norm')"
+    else:
+        with pytest.raises(NotImplementedError, match=r"save_ops: needs jax >= 0.12 .* jax.ad_checkpoint.checkpoint_name"):
+            P.save_ops("rms_norm")
