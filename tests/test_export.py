@@ -39,7 +39,10 @@ CASES = [
     ("dropout/deterministic", lambda x, impl: jaxbwd.dropout(x, 0.5, deterministic=True, implementation=impl),
      [("b", 16)]),
     ("mse_loss", lambda p, q, impl: jaxbwd.mse_loss(p, q, implementation=impl), [("b", 16), ("b", 16)]),
+    ("reshape", lambda x, impl: jaxbwd.reshape(x, (x.shape[0], 4, 4), implementation=impl), [("b", 16)]),
+    ("reshape/-1", lambda x, impl: jaxbwd.reshape(x, (-1, 4, 4), implementation=impl), [("b", 16)]),
 ]
+NO_KERNELS = ("dropout/deterministic", "mse_loss", "reshape", "reshape/-1")  # "pallas" runs XLA anyway
 IDS = [c[0] for c in CASES]
 
 
@@ -85,8 +88,8 @@ def test_symbolic_batch_under_pallas_settings_takes_xla(name, fn, shapes):
     chex.assert_trees_all_close(exp.call(*args), _loss(fn, "xla")(*args), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,fn,shapes", [c for c in CASES if c[0] not in ("dropout/deterministic", "mse_loss")],
-                         ids=[i for i in IDS if i not in ("dropout/deterministic", "mse_loss")])
+@pytest.mark.parametrize("name,fn,shapes", [c for c in CASES if c[0] not in NO_KERNELS],
+                         ids=[i for i in IDS if i not in NO_KERNELS])
 def test_symbolic_shape_with_pallas_named_is_an_error_naming_the_op(name, fn, shapes):
     op = name.split("/")[0]
     with pytest.raises(ValueError, match=rf"jaxbwd.{op}: implementation='pallas' needs static shapes"):
@@ -115,10 +118,11 @@ def test_static_shapes_export_both_implementations(impl):
     chex.assert_trees_all_close(jax.grad(exp.call, (0, 1))(x, w), jax.grad(fn, (0, 1))(x, w), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["dropout", "bias_dropout_add", "linear_cross_entropy"])
+@pytest.mark.parametrize("op", ["dropout", "bias_dropout_add", "linear_cross_entropy", "row_slice"])
 def test_ops_that_need_static_shapes_say_so(op):
     # The XLA formulas of these ops are sized from the shapes (a mask hashed on a static 2-D
-    # view; token chunks), so a symbolic batch is refused by name, not deep inside JAX.
+    # view; token chunks; a window checked against the rows), so a symbolic batch is refused
+    # by name, not deep inside JAX.
     b, = export.symbolic_shape("b")
     x = jax.ShapeDtypeStruct((b, 16), f32)
     fns = {
@@ -126,8 +130,10 @@ def test_ops_that_need_static_shapes_say_so(op):
         "bias_dropout_add": lambda x: jaxbwd.bias_dropout_add(x, jnp.ones(16), x, 0.5, rng=KEY, implementation="xla"),
         "linear_cross_entropy": lambda x: jaxbwd.linear_cross_entropy(x, jnp.ones((16, 32)), jnp.zeros(x.shape[0], i32),
                                                                       implementation="xla"),
+        "row_slice": lambda x: jaxbwd.row_slice(x, 0, 1, implementation="xla"),
     }
-    with pytest.raises(ValueError, match=rf"jaxbwd.{op}: x's shape must be static, got \(b, 16\) \(symbolic\)"):
+    what = r"x's row count must be static, got \(b,\)" if op == "row_slice" else r"x's shape must be static, got \(b, 16\)"
+    with pytest.raises(ValueError, match=rf"jaxbwd.{op}: {what} \(symbolic\)"):
         export.export(jax.jit(fns[op]))(x)
 
 

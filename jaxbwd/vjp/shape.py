@@ -5,6 +5,7 @@ import functools
 import math
 
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +29,8 @@ def reshape(x, shape, *, implementation=None):
     """Reshape ``x`` to ``shape`` (one entry may be -1); the backward reshapes dy back.
 
     Args:
-      x: [...] floating array. shape: tuple of ints with the same element count.
+      x: [...] floating array. shape: tuple of ints (or ``jax.export`` symbolic dims) with
+        the same element count.
       implementation: accepted for uniformity; both are metadata-only in XLA.
 
     Returns:
@@ -43,9 +45,10 @@ def reshape(x, shape, *, implementation=None):
     op = "reshape"
     B.check_float(op, "x", x)
     dims = shape if isinstance(shape, (tuple, list)) else (shape,)
-    if not all(B.is_static_int(s) for s in dims):
+    # Symbolic dims (jax.export shape polymorphism) as jnp.reshape takes them.
+    if not all(B.is_static_int(s) or export.is_symbolic_dim(s) for s in dims):
         raise TypeError(f"jaxbwd.reshape: shape must be a tuple of ints, got {shape!r}")
-    shape = tuple(int(s) for s in dims)
+    shape = tuple(int(s) if B.is_static_int(s) else s for s in dims)
     n_neg = sum(s == -1 for s in shape)
     known = math.prod(s for s in shape if s != -1)
     if n_neg > 1 or any(s < -1 for s in shape):
@@ -99,13 +102,15 @@ def row_slice(x, start, size, *, implementation=None):
 
     Raises:
       TypeError: non-floating x, non-integer start, size not an int.
-      ValueError: x not rank 2, size out of [0, R], a Python or NumPy int start out of [0, R - size].
+      ValueError: x not rank 2, size out of [0, R], a Python or NumPy int start out of [0, R - size],
+        a symbolic R (``jax.export``).
 
     Source: a slice's adjoint is the zero-padded scatter of the cotangent.
     """
     op = "row_slice"
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=2, what="([R, C])")
+    B.require_static(op, "x's row count", x.shape[:1], "size and start are checked against it")
     size = B.static_int(op, "size", size)
     R = x.shape[0]
     if not 0 <= size <= R:
