@@ -3,8 +3,9 @@ bad argument is refused in one line (exit 2) at once, not after minutes of work;
 script that needs a GPU this machine lacks says so the same way in every script."""
 from __future__ import annotations
 
-import os
 import sys
+
+from jaxbwd._paths import unwritable
 
 
 def description(doc: str) -> str:
@@ -15,18 +16,14 @@ def description(doc: str) -> str:
 
 def bad_arguments(args) -> str | None:
     """What is wrong with ``--repeats`` or the ``--json`` path, or None. A median of no
-    runs is undefined, and a result lost to a missing folder after the timing is worse than
-    an early error."""
+    runs is undefined, and a result lost to an unwritable path after the timing is worse
+    than an early error."""
     repeats = getattr(args, "repeats", 1)
     if repeats < 1:
         return f"--repeats must be >= 1, got {repeats}"
     path = getattr(args, "json", None)
-    if path:
-        if os.path.isdir(path):
-            return f"--json {path}: is a folder, not a file"
-        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            return f"--json {path}: its folder does not exist"
-    return None
+    problem = unwritable(path) if path else None
+    return f"--json {path}: {problem}" if problem else None
 
 
 def refuse(prog: str, message: str) -> int:

@@ -103,6 +103,8 @@ def test_compare_compile_refuses_what_is_not_a_compile_report(tmp_path):
 def test_attention_refuses_bad_arguments_before_timing():
     _refused(_run("attention.py", "--repeats", "0"), "--repeats must be >= 1")
     _refused(_run("attention.py", "--json", "/nonexistent/x.json"), "/nonexistent/x.json", "folder does not exist")
+    # A folder that exists but takes no file (as a read-only one): the write itself is tried.
+    _refused(_run("attention.py", "--json", "/proc/x.json"), "/proc/x.json", "cannot be written")
 
 
 def test_attention_rows_line_up():

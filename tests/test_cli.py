@@ -197,19 +197,19 @@ def test_output_path_probe_leaves_things_as_they_were(tmp_path):
     new, old, link = tmp_path / "new.json", tmp_path / "old.json", tmp_path / "link.json"
     old.write_text("keep")
     link.symlink_to(tmp_path / "nowhere.json")
-    assert cli._unwritable(str(new)) is None and not new.exists()
-    assert cli._unwritable(str(old)) is None and old.read_text() == "keep"
-    assert cli._unwritable(str(link)) is None and link.is_symlink() and not (tmp_path / "nowhere.json").exists()
-    assert cli._unwritable(str(tmp_path)) == "is a folder, not a file"
-    assert cli._unwritable(str(tmp_path / "no-dir" / "x.json")) == "its folder does not exist"
+    assert cli.unwritable(str(new)) is None and not new.exists()
+    assert cli.unwritable(str(old)) is None and old.read_text() == "keep"
+    assert cli.unwritable(str(link)) is None and link.is_symlink() and not (tmp_path / "nowhere.json").exists()
+    assert cli.unwritable(str(tmp_path)) == "is a folder, not a file"
+    assert cli.unwritable(str(tmp_path / "no-dir" / "x.json")) == "its folder does not exist"
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
     try:
         if os.access(ro, os.W_OK) and os.geteuid() == 0:  # root writes anyway: /proc is not writable for anyone
-            assert cli._unwritable("/proc/jaxbwd-probe.json").startswith("cannot be written (")
+            assert cli.unwritable("/proc/jaxbwd-probe.json").startswith("cannot be written (")
         else:
-            assert cli._unwritable(str(ro / "x.json")).startswith("cannot be written (")
+            assert cli.unwritable(str(ro / "x.json")).startswith("cannot be written (")
     finally:
         ro.chmod(0o700)
 
