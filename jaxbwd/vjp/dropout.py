@@ -205,9 +205,9 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
       TypeError: x, bias not floating; residual's dtype not x's; rate or deterministic not
         static.
       ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1]; rng
-        missing or not a threefry key; rows (the product of x's leading dims) >= 2**31;
-        unknown implementation; x of symbolic shape (``jax.export``) with 0 < rate < 1 and
-        not deterministic.
+        missing or not a threefry key; unknown implementation; with 0 < rate < 1 and not
+        deterministic (the mask's 2-D view), rows (the product of x's leading dims) >= 2**31
+        or x of symbolic shape (``jax.export``).
 
     Source: Megatron-LM's fused bias-dropout-add (Shoeybi et al. 2019); dropout as
     Srivastava et al. (JMLR 2014), inverted scaling.
