@@ -196,7 +196,8 @@ def main(argv=None) -> int:
     """Entry point of ``python -m jaxbwd`` and the ``jaxbwd`` script."""
     p = argparse.ArgumentParser(prog="python -m jaxbwd", description="jaxbwd: JAX ops with Pallas backward kernels")
     sub = p.add_subparsers(dest="cmd", required=True)
-    ops_help = "op names, space-separated (default: all; `list` shows them)"
+    ops_help = ("op names, space-separated (default: all; `list` shows them), or user ops as "
+                "module:ATTR or path/file.py:ATTR (an OpSpec or a list of them)")
     wide_help = "one line per row, however wide (default: wrap to 120 columns)"
     text = "print the op registry as a table"
     pl = sub.add_parser("list", help=text, description=text)
@@ -230,7 +231,8 @@ def main(argv=None) -> int:
                     "GPU compiler (deviceless, on this CPU machine) and reads registers, spills, shared memory, "
                     "occupancy, tensor-core instructions and bytes from the compiled kernels. "
                     "Needs: pip install -e \".[compile]\" (Python >= 3.12).")
-    pg.add_argument("--ops", nargs="*", help="op names, space-separated (default: every op with Pallas kernels)")
+    pg.add_argument("--ops", nargs="*", help="op names, space-separated (default: every op with Pallas kernels), "
+                                             "or user ops as module:ATTR or path/file.py:ATTR")
     pg.add_argument("--gpu", default="h200",
                     help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100)")
     pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16")
