@@ -156,6 +156,12 @@ def _compile(args) -> int:
                                                       file=sys.stderr)
     try:
         report = deviceless.run(cases, jobs=jobs, timeout=args.timeout, progress=progress)
+    except deviceless.Stopped as e:  # SIGTERM or SIGHUP: workers gone; one line after the bar's
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"jaxbwd compile: stopped by {e.signame}", file=sys.stderr)
+        return e.code
     finally:  # also on Ctrl-C: the bar's line ends, and the message comes on a line of its own
         if bar is not None:
             bar.close()
@@ -357,8 +363,6 @@ def _read_baseline(args):
                 f"(no list of rows with {', '.join(sorted(keys))} under \"rows\")")
     args.baseline_report = report
     return None
-
-
 
 
 if __name__ == "__main__":

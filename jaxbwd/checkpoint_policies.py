@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 from jax import lax
 
-from jaxbwd.vjp._derivatives import FORWARD_MODE, op_of_equation
+from jaxbwd.vjp._derivatives import FORWARD_MODE, OP_NAMES, op_of_equation
 
 __all__ = ["dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dot_with_no_batch_dims", "save_ops"]
 
@@ -48,8 +48,10 @@ def save_ops(*names: str) -> Callable[..., bool]:
 
     Args:
       names: one or more op names as ``python -m jaxbwd list`` shows them (``"matmul"``,
-        ``"dot_product_attention"``, ...), or names given to :func:`jaxbwd.define_op` /
-        :func:`jaxbwd.define_elementwise` earlier in the process.
+        ``"dot_product_attention"``, ...), or names of ops made by :func:`jaxbwd.define_op`
+        / :func:`jaxbwd.define_elementwise` earlier in the process. Ops that are plain XLA
+        code with no primitive of their own (``adaptive_avg_pool2d``) are not names here:
+        JAX's policies see their equations.
 
     Returns:
       A ``jax.checkpoint`` policy, ``policy(prim, *avals, **params) -> bool``; combine it
@@ -57,20 +59,19 @@ def save_ops(*names: str) -> Callable[..., bool]:
 
     Raises:
       TypeError: a name that is not a string.
-      ValueError: no names, or a name that is no op (a typo would save nothing, silently).
+      ValueError: no names, or a name that is no op's primitive (a typo would save
+        nothing, silently).
       NotImplementedError: jax < 0.12, where the ops are ``jax.custom_vjp`` functions and no
         equation is an op (name an op's output with ``jax.ad_checkpoint.checkpoint_name``
         and save it with ``save_only_these_names`` there).
     """
-    from jaxbwd import define, registry
-
     where = "jaxbwd.checkpoint_policies.save_ops"
     if not names:
         raise ValueError(f"{where}: give at least one op name")
     for n in names:
         if not isinstance(n, str):
             raise TypeError(f"{where}: op names must be strings, got {n!r}")
-    known = set(registry.REGISTRY) | define.DEFINED
+    known = OP_NAMES  # ops that are one primitive (adaptive_avg_pool2d, say, is plain XLA code)
     unknown = sorted(set(names) - known)
     if unknown:
         raise ValueError(f"{where}: no op is named {', '.join(map(repr, unknown))}; ops: {', '.join(sorted(known))}")

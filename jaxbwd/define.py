@@ -209,11 +209,6 @@ def _check_hashable(name: str, static: dict) -> tuple:
     return params
 
 
-# Names given to define_op/define_elementwise in this process (jaxbwd.checkpoint_policies.save_ops
-# checks the names it is given against these and the registry's).
-DEFINED: set[str] = set()
-
-
 def _check_name(maker: str, name: Any) -> None:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"jaxbwd.{maker}: name must be a Python identifier (it names the op in errors, "
@@ -222,7 +217,6 @@ def _check_name(maker: str, name: Any) -> None:
 
     if name in registry.REGISTRY and registry.REGISTRY[name].family != "user":
         raise ValueError(f"jaxbwd.{maker}({name!r}): {name!r} is one of jaxbwd's own ops; choose another name")
-    DEFINED.add(name)
 
 
 def _describe(v: Any) -> str:

@@ -849,9 +849,20 @@ def worker_count(jobs: Optional[int], n_cases: int) -> int:
     return max(1, min(jobs or os.cpu_count() or 1, n_cases or 1))
 
 
+class Stopped(SystemExit):
+    """:func:`run` ended by SIGTERM or SIGHUP; ``code`` is 128 + the signal's number, the
+    default action's exit status, and ``signame`` its name (the command line prints it once
+    its progress bar is closed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signame = signal.Signals(signum).name
+
+
 def _raise_exit(signum, frame):
-    print(f"jaxbwd compile: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-    raise SystemExit(128 + signum)  # as the default action's exit status; run's cleanup runs first
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt run's cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
 
 
 def _answer(line: str) -> Optional[dict]:
@@ -872,8 +883,9 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
     time starts once its worker is ready (its imports done); a worker's start-up has its own
     limit, the larger of ``timeout`` and :data:`STARTUP_TIMEOUT`. ``progress(case, message)`` is called after each case.
 
-    However the call ends (Ctrl-C, an exception, SIGTERM or SIGHUP: exit status 128 + the
-    signal's number), every worker is killed and its folder removed.
+    However the call ends (Ctrl-C, an exception, or SIGTERM or SIGHUP, which raise
+    :class:`Stopped`), every worker is killed and its folder removed. A signal ignored when
+    the call starts (SIGHUP under ``nohup``) stays ignored.
 
     Raises:
       RuntimeError: the compile requirements are missing (the message names the packages).
@@ -959,7 +971,7 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
         for _ in range(len(case_list)):
             case, msg = results.get()
             if failed:
-                raise RuntimeError(f"jaxbwd compile: a worker thread failed: {msg['error']}") from failed[0]
+                raise RuntimeError(f"jaxbwd compile: a worker thread failed: {failed[0]!r}") from failed[0]
             if "error" in msg:
                 failures.append({"case": case.id, "error": msg["error"]})
             else:
@@ -969,7 +981,7 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
         for t in threads:
             t.join()
     finally:
-        for s in old:  # a second signal must not interrupt the cleanup and orphan workers
+        for s in old:  # a signal now must not interrupt the cleanup and orphan workers
             signal.signal(s, signal.SIG_IGN)
         with lock:
             stop.set()

@@ -113,6 +113,8 @@ def test_save_ops_needs_names_of_ops():
         P.save_ops()
     with pytest.raises(ValueError, match=r"save_ops: no op is named 'rmsnorm'; ops: .*rms_norm"):
         P.save_ops("rms_norm", "rmsnorm")
+    with pytest.raises(ValueError, match=r"save_ops: no op is named 'adaptive_avg_pool2d'"):
+        P.save_ops("adaptive_avg_pool2d")  # plain XLA code, no primitive of its own
     jaxbwd.define_op("policy_named_test", forward=lambda x: x, backward=lambda r, d: (d,))
     if FORWARD_MODE:
         assert P.save_ops("policy_named_test", "rms_norm").__name__ == "save_ops('policy_named_test', 'rms_norm')"

@@ -545,22 +545,27 @@ def test_a_garbled_answer_fails_its_case_and_the_run_goes_on(tmp_path, monkeypat
 def test_an_ignored_sighup_stays_ignored(tmp_path, monkeypatch):
     """Under nohup (SIGHUP ignored) a closed terminal must not stop the sweep."""
     import signal
-    import threading
+    import time
 
     from jaxbwd import deviceless
 
     _fake_worker(tmp_path, monkeypatch)
     cases = deviceless.cases(["silu"], dtypes=("float32",))
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    sent = []
+
+    def progress(case, msg):  # the signal arrives mid-run, after the first case
+        if not sent:
+            sent.append(case)
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)  # delivered (to the main thread) before the run goes on
+
     try:
-        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGHUP))
-        timer.start()
-        report = deviceless.run(cases, jobs=1, timeout=60)
-        timer.join()
+        report = deviceless.run(cases, jobs=1, timeout=60, progress=progress)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, old)
-    assert report["failures"] == [] and len(report["meta"]) > 0
+    assert sent and report["failures"] == [] and len(report["rows"]) == 0 and report["meta"]["cases"] == 3
 
 
 @pytest.mark.compile

@@ -676,6 +676,9 @@ def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
                                 bn(fnn.BatchNorm(use_running_average=False, momentum=1.5)), atol=1e-5)
     rms = jnn.RMSNorm(use_scale=False, weight_offset=1.0)
     chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
+    qc = (_rand((2, 4, 2, 8)) + 1j * _rand((2, 4, 2, 8), seed=2)).astype(jnp.complex64)
+    chex.assert_trees_all_close(jnnx.dot_product_attention(qc, qc, qc), nnx.dot_product_attention(qc, qc, qc),
+                                atol=1e-6)
 
 
 def test_linen_and_nnx_modules_with_8_bit_floats_run_flax_code():

@@ -248,7 +248,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     Errors: on jaxbwd's path those of :func:`jaxbwd.dot_product_attention` (e.g. ValueError
     for query heads that are not a multiple of the key heads), flax's own on flax's path.
     """
-    if dropout_rate != 0.0 or module is not None or query.ndim < 3 or key.shape[-3] == 0:
+    if (dropout_rate != 0.0 or module is not None or query.ndim < 3 or key.shape[-3] == 0
+            or not K.takes_dtypes(query, key, value)):
         return nnx.dot_product_attention(query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
                                          deterministic, dtype, precision, module, promote_dtype, is_causal)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)

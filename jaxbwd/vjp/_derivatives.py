@@ -397,6 +397,11 @@ if _HAVE_HIJAX:
             return _Op(rules, in_avals, out_aval)(*args), 0
 
 
+# Every op name a custom_op carries (jaxbwd's ops at import, user ops when defined): the
+# names op_of_equation can return, which jaxbwd.checkpoint_policies.save_ops accepts.
+OP_NAMES: set[str] = set()
+
+
 def op_of_equation(params: dict) -> Optional[str]:
     """The name of the op whose primal (or fwd rule) an equation applies, given the params a
     ``jax.checkpoint`` policy receives with it; None for any other equation, and on
@@ -422,6 +427,7 @@ class custom_op:
         self.fun = fun
         self.nondiff_argnums = tuple(sorted(nondiff_argnums))
         self.name = name or fun.__name__.lstrip("_")  # the public op's name, for errors
+        OP_NAMES.add(self.name)
         self.fwd = self.bwd = self.tangent = None
         functools.update_wrapper(self, fun)
 
