@@ -809,8 +809,12 @@ class _Worker:
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="jaxbwd-compile-")
-        self.proc = subprocess.Popen([*WORKER_CMD, self.dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=_worker_env())
+        try:
+            self.proc = subprocess.Popen([*WORKER_CMD, self.dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True, env=_worker_env())
+        except BaseException:  # no process to reap: the folder goes now
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.lines: "queue.Queue[str]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -945,7 +949,7 @@ def run(case_list: Sequence[Case], *, jobs: Optional[int] = None, timeout: float
                     w = None
                     msg = {"case": case.id, "error": f"timed out after {timeout:g} s" if line is None
                            else f"the compile worker died (exit code {code})" if line == ""
-                           else f"the compile worker answered {line.strip()[:200]!r}, not JSON"}
+                           else f"the compile worker answered {line.strip()[:200]!r}, not a JSON result"}
                 results.put((case, msg))
         except Exception as e:  # a bug here must fail cases, never leave the main loop waiting
             failed.append(e)

@@ -534,11 +534,18 @@ def test_a_garbled_answer_fails_its_case_and_the_run_goes_on(tmp_path, monkeypat
     """A worker line that is not JSON killed the thread serving it and left run() waiting."""
     from jaxbwd import deviceless
 
+    import threading
+
     _fake_worker(tmp_path, monkeypatch, garble="(4096, 5120)")
     cases = deviceless.cases(["silu"], dtypes=("float32",))
-    report = deviceless.run(cases, jobs=1, timeout=60)
+    out = {}
+    runner = threading.Thread(target=lambda: out.update(report=deviceless.run(cases, jobs=1, timeout=60)), daemon=True)
+    runner.start()
+    runner.join(120)
+    assert not runner.is_alive(), "run() hangs on a garbled answer"
+    report = out["report"]
     assert report["failures"] == [{"case": cases[1].id,
-                                   "error": "the compile worker answered 'a stray line', not JSON"}]
+                                   "error": "the compile worker answered 'a stray line', not a JSON result"}]
     assert not any(_alive(pid) for pid, _ in _workers(tmp_path))
 
 
