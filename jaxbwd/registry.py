@@ -9,6 +9,7 @@ budget in bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -172,8 +173,8 @@ def _attention_flops(q, k, v, is_causal=False, **_):
 
 
 def _conv2d_flops(x, w, **kw):
-    return 3 * 2 * w.shape[0] * w.shape[1] * w.shape[2] * jnp.size(
-        jax.eval_shape(lambda a, b: ref.conv2d(a, b, **kw), x, w))
+    return 3 * 2 * w.shape[0] * w.shape[1] * w.shape[2] * math.prod(
+        jax.eval_shape(lambda a, b: ref.conv2d(a, b, **kw), x, w).shape)
 
 
 def _norm_bad(fn_args):

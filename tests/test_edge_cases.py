@@ -496,6 +496,8 @@ def test_8_bit_floats_are_refused_by_name(dtype):
     from jaxbwd import registry
 
     for spec in registry.ops():
+        if spec.family == "user":  # registered by other tests: a user op's dtypes are its author's
+            continue
         args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
         for i in spec.diff_argnums:
             bad = list(args)
