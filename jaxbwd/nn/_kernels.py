@@ -73,6 +73,11 @@ def compute_dtype(out_dtype, *arrays):
     return jnp.promote_types(dt, out_dtype) if out_dtype is not None else dt
 
 
+def op_float(dtype) -> bool:
+    """A floating dtype the ops take (16 to 64 bits); an Embed table of another runs flax's code."""
+    return B.is_op_float(dtype)
+
+
 def takes_dtypes(*xs) -> bool:
     """Every array or dtype among ``xs`` (None skipped) is one jaxbwd's ops take. flax's
     modules take complex and 8-bit float ones too, so such a call runs flax's code."""
@@ -232,7 +237,7 @@ def dropout_covered(inputs, rate, broadcast_dims) -> bool:
     between 0 and 1 (flax's own code returns early at 0 and 1) and no broadcast dims."""
     static = isinstance(rate, (int, float)) and not isinstance(rate, bool)
     return (static and 0.0 < rate < 1.0 and not tuple(broadcast_dims)
-            and jnp.issubdtype(jnp.result_type(inputs), jnp.floating) and takes_dtypes(inputs))
+            and op_float(jnp.result_type(inputs)))
 
 
 def threefry_key(key) -> bool:

@@ -120,13 +120,13 @@ class Embed(_Impl, fnn.Embed):
         if not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
             return super().__call__(inputs)
         (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
-        if not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
+        if not K.op_float(embedding.dtype):
             return super().__call__(inputs)
         return K.embed_lookup(inputs, embedding, self.implementation)
 
     def attend(self, query):
         query, embedding = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        if jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
+        if jnp.ndim(query) == 0 or not K.op_float(embedding.dtype):
             return super().attend(query)
         return K.attend(query, embedding, self.implementation)
 

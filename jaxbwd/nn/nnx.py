@@ -143,14 +143,13 @@ class Embed(nnx.Embed, _Impl):
         if out_sharding is not None or not jnp.issubdtype(inputs.dtype, jnp.integer) or self.num_embeddings == 1:
             return super().__call__(inputs, out_sharding=out_sharding)
         (embedding,) = self.promote_dtype((_value(self.embedding),), dtype=self.dtype, inexact=False)
-        if not jnp.issubdtype(embedding.dtype, jnp.floating) or not K.takes_dtypes(embedding):
+        if not K.op_float(embedding.dtype):
             return super().__call__(inputs)
         return K.embed_lookup(inputs, embedding, self.implementation)
 
     def attend(self, query, out_sharding=None):
         query, embedding = self.promote_dtype((query, _value(self.embedding)), dtype=self.dtype)
-        if (out_sharding is not None or jnp.ndim(query) == 0 or not jnp.issubdtype(embedding.dtype, jnp.floating)
-                or not K.takes_dtypes(embedding)):
+        if out_sharding is not None or jnp.ndim(query) == 0 or not K.op_float(embedding.dtype):
             return super().attend(query, out_sharding=out_sharding)
         return K.attend(query, embedding, self.implementation)
 

@@ -121,13 +121,15 @@ def check_array(op: str, name: str, x: Any) -> None:
 _FLOATS = tuple(jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64"))
 
 
+def is_op_float(dtype) -> bool:
+    """A floating dtype the ops take: 16 to 64 bits (not complex, not float8_e4m3fn, ...)."""
+    return jnp.dtype(dtype) in _FLOATS
+
+
 def takes_dtype(dtype) -> bool:
     """False for the dtypes no op takes, whatever the argument: complex, and floats other
-    than 16 to 64 bits (float8_e4m3fn, ...). Integers and bools are left to each op."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return False
-    return not jnp.issubdtype(dtype, jnp.floating) or dtype in _FLOATS
+    than 16 to 64 bits. Integers and bools are left to each op."""
+    return is_op_float(dtype) or not jnp.issubdtype(dtype, jnp.inexact)
 
 
 def check_float(op: str, name: str, x: Any) -> None:
@@ -135,7 +137,7 @@ def check_float(op: str, name: str, x: Any) -> None:
     # Not every floating dtype: the 8- and 4-bit formats (float8_e4m3fn, ...) would run
     # through kernels and formulas written for 16- and 32-bit inputs and return results and
     # gradients rounded to 8 bits, a training recipe (scaled fp8) that no op implements.
-    if jnp.result_type(x) not in _FLOATS:
+    if not is_op_float(jnp.result_type(x)):
         raise TypeError(
             f"jaxbwd.{op}: {name} must have a floating dtype of 16 to 64 bits (float32, bfloat16, "
             f"float16; float64 runs the XLA implementation), got {_dtype_name(x)}"
