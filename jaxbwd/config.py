@@ -45,6 +45,7 @@ import os
 from typing import Any, Iterator, Optional
 
 import jax
+import numpy as np
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PALLAS_BACKENDS = ("triton", "mosaic")
@@ -88,14 +89,16 @@ def _env_pallas_backend() -> str:
     return value
 
 
-def _env_interpret() -> bool:
-    raw = os.environ.get("JAXBWD_INTERPRET", "")
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "")
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
-    if value in ("", "0", "false", "no", "off"):
+    if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"jaxbwd: JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got {raw!r}")
+    if value == "":
+        return default
+    raise ValueError(f"jaxbwd: {name} must be 1/true/yes/on, 0/false/no/off or unset, got {raw!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,7 @@ class _Settings:
     implementation: Optional[str]  # None: Pallas on GPU, XLA elsewhere
     interpret: bool
     pallas_backend: str = "triton"
+    custom_partitioning: bool = True
 
 
 _UNSET = object()
@@ -118,7 +122,8 @@ def _current() -> _Settings:
     if s is not None:
         return s
     if _default is None:
-        _default = _Settings(_env_implementation(), _env_interpret(), _env_pallas_backend())
+        _default = _Settings(_env_implementation(), _env_flag("JAXBWD_INTERPRET", False), _env_pallas_backend(),
+                             _env_flag("JAXBWD_CUSTOM_PARTITIONING", True))
     return _default
 
 
@@ -155,8 +160,17 @@ def _check_backend(pallas_backend, where="config"):
         raise ValueError(f"jaxbwd.{where}: pallas_backend must be one of {PALLAS_BACKENDS}, got {pallas_backend!r}")
 
 
-def _merged(implementation, interpret, pallas_backend=_UNSET, where="config") -> _Settings:
+def _check_flag(value, name, where):
+    # a string such as "no" would read as True: only real booleans (numpy's too)
+    if value is not _UNSET and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"jaxbwd.{where}: {name} must be True or False, got {value!r}")
+
+
+def _merged(implementation, interpret, pallas_backend=_UNSET, custom_partitioning=_UNSET,
+            where="config") -> _Settings:
     cur = _current()
+    _check_flag(interpret, "interpret", where)
+    _check_flag(custom_partitioning, "custom_partitioning", where)
     if implementation is not _UNSET:
         if implementation == "auto":
             implementation = None
@@ -167,10 +181,12 @@ def _merged(implementation, interpret, pallas_backend=_UNSET, where="config") ->
         cur.implementation if implementation is _UNSET else implementation,
         cur.interpret if interpret is _UNSET else bool(interpret),
         cur.pallas_backend if pallas_backend is _UNSET else pallas_backend,
+        cur.custom_partitioning if custom_partitioning is _UNSET else bool(custom_partitioning),
     )
 
 
-def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET) -> None:
+def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET,
+                custom_partitioning: Any = _UNSET) -> None:
     """Sets the process-wide defaults (seen by every thread); omitted arguments keep their value.
 
     Args:
@@ -179,26 +195,37 @@ def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas
       interpret: run Pallas kernels in interpret mode (CPU).
       pallas_backend: ``"triton"`` (default) or ``"mosaic"``: Mosaic GPU kernels for the ops
         and GPU generations in ``MOSAIC_KERNELS``, Triton for the rest (module docstring).
+      custom_partitioning: under a mesh with Auto axes, hand each op to XLA's partitioner
+        through ``jax.experimental.custom_partitioning`` (default True; environment
+        ``JAXBWD_CUSTOM_PARTITIONING``). False runs the ops as whole-array code that XLA
+        partitions like any other, gathering around opaque kernel calls: the setting for
+        ``jax.export`` under such a mesh, which refuses custom_partitioning's Python
+        callbacks.
 
     Raises:
       ValueError: ``implementation`` or ``pallas_backend`` is not one of those values.
+      TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
     """
     global _default
-    _default = _merged(implementation, interpret, pallas_backend, "config.set_default")
+    _default = _merged(implementation, interpret, pallas_backend, custom_partitioning, "config.set_default")
 
 
 @contextlib.contextmanager
-def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET) -> Iterator[None]:
+def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET,
+        custom_partitioning: Any = _UNSET) -> Iterator[None]:
     """Context manager form of :func:`set_default`: overrides the settings inside the block
     (for this thread and context) and restores them on exit; omitted arguments are inherited.
 
     Only tracing that happens inside the ``with`` block sees the new settings.
 
+    Args: as :func:`set_default`. Yields: None.
+
     Raises:
       ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``;
         ``pallas_backend`` is not ``"triton"`` or ``"mosaic"``.
+      TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
     """
-    token = _override.set(_merged(implementation, interpret, pallas_backend, "config.use"))
+    token = _override.set(_merged(implementation, interpret, pallas_backend, custom_partitioning, "config.use"))
     try:
         yield
     finally:
@@ -206,12 +233,20 @@ def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend
 
 
 def interpret() -> bool:
-    """Whether Pallas kernels run in interpret mode (set by code or ``JAXBWD_INTERPRET=1``)."""
+    """Whether Pallas kernels run in interpret mode (set by code or ``JAXBWD_INTERPRET=1``):
+    a bool. Raises ValueError for a malformed ``JAXBWD_*`` variable (read at the first call)."""
     return _current().interpret
 
 
+def custom_partitioning() -> bool:
+    """Whether ops under an Auto-axes mesh go through ``custom_partitioning`` (see
+    :func:`set_default`): a bool. Raises ValueError for a malformed ``JAXBWD_*`` variable (read at the first call)."""
+    return _current().custom_partitioning
+
+
 def default_implementation() -> str:
-    """The implementation that ``implementation=None`` resolves to right now."""
+    """The implementation that ``implementation=None`` resolves to right now: ``"pallas"``
+    or ``"xla"``. Raises ValueError for a malformed ``JAXBWD_*`` variable (read at the first call)."""
     s = _current()
     if s.implementation is not None:
         return s.implementation
@@ -221,6 +256,14 @@ def default_implementation() -> str:
 def resolve(implementation: Optional[str], op: str) -> str:
     """Resolves an op's ``implementation`` argument to ``"pallas"`` or ``"xla"`` at trace time
     (``"pallas:triton"``/``"pallas:mosaic"`` resolve to ``"pallas"``).
+
+    Args:
+      implementation: the op's argument (None, ``"pallas"``, ``"xla"``, ``"pallas:triton"``,
+        ``"pallas:mosaic"``).
+      op: the op's name, for the message.
+
+    Returns:
+      ``"pallas"`` or ``"xla"``.
 
     Raises:
       ValueError: an unknown implementation name.
@@ -233,13 +276,17 @@ def resolve(implementation: Optional[str], op: str) -> str:
 
 def pallas_backend() -> str:
     """The Pallas backend the settings ask for (``"triton"`` or ``"mosaic"``), before the
-    per-op table is consulted (see :func:`resolve_pallas_backend`)."""
+    per-op table is consulted (see :func:`resolve_pallas_backend`). Raises ValueError for a malformed ``JAXBWD_*`` variable (read at the first call)."""
     return _current().pallas_backend
 
 
 def mosaic_supported(op: str, dtype, sm: int, last_dim: Optional[int] = None) -> bool:
     """Whether ``MOSAIC_KERNELS`` has a Mosaic GPU kernel for ``op`` on compute capability
-    ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``."""
+    ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``.
+
+    Args: op, an op name; dtype, a dtype or None (None: False); sm, an int; last_dim, an
+    int or None (not checked). Returns: a bool. Raises: TypeError for a non-dtype ``dtype``.
+    """
     entry = MOSAIC_KERNELS.get(op, {}).get(int(sm)) if MOSAIC_AVAILABLE else None
     if entry is None or dtype is None or jax.numpy.dtype(dtype).name not in entry["dtypes"]:
         return False
@@ -253,6 +300,15 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
     ``implementation="pallas:<backend>"`` names it per call; otherwise the settings do. Mosaic
     runs only where ``MOSAIC_KERNELS`` lists ``op`` for generation ``sm`` and ``dtype``;
     elsewhere a settings-wide choice falls back to Triton.
+
+    Args:
+      implementation: the op's argument, as for :func:`resolve`.
+      op: the op's name; dtype: its first input's dtype (None for an op without operands);
+      sm: the GPU's compute capability, major * 10 + minor; last_dim: the first input's
+        last dim (attention's head dim), or None.
+
+    Returns:
+      ``"triton"`` or ``"mosaic"``.
 
     Raises:
       ValueError: ``implementation="pallas:mosaic"`` for an op, generation or dtype without a

@@ -24,7 +24,10 @@ ways depending on the mesh set with ``jax.set_mesh``:
   forward on its shard, with custom_vmap falling back to the unpartitioned op under
   vmap, since custom_partitioning has neither AD nor batching rules). Both
   implementations take it: left to itself, XLA gathers around a kernel, and even the
-  jnp formulas lose a sequence sharding where they flatten rows.
+  jnp formulas lose a sequence sharding where they flatten rows. Not for operands with
+  symbolic shapes (``jax.export``), nor with ``config.use(custom_partitioning=False)``
+  (``jax.export`` refuses custom_partitioning's Python callbacks): the op then runs as
+  whole-array code that XLA partitions like any other.
 
 Design notes:
 
@@ -81,6 +84,10 @@ one the op reduces over itself with collectives. Upper-case letters are
 dimensions the op reduces or mixes over (the normalised axis, the softmax axis,
 attention's sequence and head dims): they are gathered if sharded. Leading ``...``
 dimensions align from the right across operands.
+
+Source (for every function here): Shoeybi et al., "Megatron-LM" (2019) for the tensor-
+and vocab-parallel layouts; JAX's sharded-computation guides (``jax.shard_map``, explicit
+sharding, ``jax.experimental.custom_partitioning``) for the mechanisms.
 """
 from __future__ import annotations
 
@@ -91,6 +98,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from jaxbwd import config
 
 __all__ = ["partitioned", "whole", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec",
            "replicated_cotangent", "vary_together", "vary_like", "operands_mesh"]
@@ -114,6 +123,13 @@ def _parse(signature: str):
 
 def check_signature(signature, where: str) -> tuple[int, int]:
     """(inputs, outputs) of a layout signature (see the module docstring), checked.
+
+    Args:
+      signature: the signature string, e.g. ``"...D,D->...D"``.
+      where: the caller's name for the message (``"jaxbwd.define_op"``).
+
+    Returns:
+      ``(number of input terms, number of output terms)``, Python ints.
 
     Raises:
       ValueError: not ``"terms->terms"`` with each term an optional leading ``...`` and
@@ -172,6 +188,9 @@ def vary_together(arrays):
     AD transposes that cast into the psum of the weight's per-device gradient, and a
     kernel's outputs can declare how they vary. Returns the arrays unchanged and None
     when nothing varies (everywhere else). ``None`` entries pass through.
+
+    Args: arrays, a sequence of arrays or None. Returns: ``(tuple of arrays, the manual
+    axis type they share or None)``, shapes and dtypes unchanged. Raises nothing.
     """
     varying = frozenset().union(*(_varying(a) for a in arrays if a is not None))
     if not varying:
@@ -186,6 +205,9 @@ def vary_like(tree, *refs):
 
     A ``lax.scan`` carry initialised with constants inside a user's vma-checked shard_map
     must vary as the carry its body produces from ``refs``; elsewhere a no-op.
+
+    Args: tree, a pytree of arrays; refs, arrays. Returns: ``tree`` with the same shapes
+    and dtypes. Raises nothing.
     """
     varying = frozenset().union(*(_varying(r) for r in refs))
     if not varying:
@@ -227,19 +249,40 @@ def _operands_mesh(args):
 def operands_mesh(*args):
     """A context entering the mesh of explicitly sharded operands when no mesh is set
     (``jit`` of arrays placed with explicit-axis NamedShardings, without ``jax.set_mesh``),
-    so that an op partitions as under ``jax.set_mesh``; a no-op otherwise."""
+    so that an op partitions as under ``jax.set_mesh``; a no-op otherwise.
+
+    Args: the operands (arrays or None). Returns: a context manager. Raises nothing."""
     own = _operands_mesh(args)
     return contextlib.nullcontext() if own is None else jax.sharding.use_abstract_mesh(own)
 
 
-def _refuse_mixed_mesh(signature, args):
+def _axes_kw(axes_of: Optional[str], axes: tuple = ()) -> dict:
+    """The ``axes=`` keyword of an op that communicates itself (``axes_of``), else none."""
+    return {} if axes_of is None else {"axes": tuple(axes)}
+
+
+def _traced_op(fn: Callable, args):
+    """Traces ``fn(*args)`` once: (its jaxpr, the name of the first op it applies or None)."""
+    from jaxbwd.vjp._derivatives import recording_calls
+
+    present = [i for i, a in enumerate(args) if a is not None]
+    with recording_calls() as names:
+        jaxpr = jax.make_jaxpr(lambda *a: fn(*_refill(args, present, a)))(*[args[i] for i in present])
+    return jaxpr, (names[0] if names else None)
+
+
+def _refuse_mixed_mesh(signature, fn, args, extra):
     mesh = _mesh()
     if mesh is None or not {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= set(mesh.axis_types):
         return
     if any(a is not None and any(_spec_of(a, a.ndim)) for a in args):
         kinds = ", ".join(f"{n}={t.name}" for n, t in zip(mesh.axis_names, mesh.axis_types))
+        try:
+            name = _traced_op(lambda *a: fn(*a, **extra), args)[1]
+        except Exception:  # the op's own checks fail on these operands: they report it when it runs
+            name = None
         raise ValueError(
-            f"jaxbwd: an op with layout {signature!r} got an operand sharded on a mesh that mixes axis types "
+            f"jaxbwd.{name or f'op with layout {signature!r}'}: got an operand sharded on a mesh that mixes axis types "
             f"({kinds}); jaxbwd partitions under meshes whose axes are all Explicit or all Auto "
             "(Manual axes of an enclosing shard_map may sit beside Explicit ones)")
 
@@ -340,6 +383,9 @@ def spec(x) -> Optional[P]:
     that a result or gradient keeps the intended sharding, as JAX's own transpose of
     ``dot_general`` does (explicit mode otherwise refuses a contraction over a sharded
     dimension as ambiguous).
+
+    Args: x, an array or tracer of any shape. Returns: a PartitionSpec of length
+    ``x.ndim`` or None. Raises nothing.
     """
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     if _explicit_mesh() is None and jax.sharding.AxisType.Explicit not in set(getattr(mesh, "axis_types", ()) or ()):
@@ -354,6 +400,10 @@ def matmul_out_spec(x, w) -> Optional[P]:
     leading dimension); a sharded K is summed over (XLA inserts the all-reduce of a
     row-parallel matmul, Megatron-LM's "g" operator) and leaves the result replicated
     along those axes.
+
+    Args: x [..., K], w [K, M], any float dtypes. Returns: a PartitionSpec of rank
+    ``x.ndim`` or None. Raises nothing. Source: Shoeybi et al., "Megatron-LM" (2019), for
+    the column/row-parallel layouts.
     """
     sx, sw = spec(x), spec(w)
     if sx is None:
@@ -373,6 +423,10 @@ def replicated_cotangent(ct, axes: tuple):
     the whole cotangent back. The divided values are equal on every device, so scaling by
     ``n`` restores them without a collective (exactly for a power-of-two ``n``, within
     an ulp otherwise).
+
+    Args: ct, the cotangent (any shape, float dtype); axes, a tuple of mesh axis names
+    (inside the body's shard_map). Returns: ``ct`` times the number of devices along
+    ``axes``, same shape and dtype. Raises: JAX's NameError for an axis not bound there.
     """
     if not axes:
         return ct
@@ -385,6 +439,10 @@ def plan(signature: str, *args) -> Optional[tuple]:
     None means: no explicit mesh, or no dimension the op can split is sharded; the op then
     runs whole (after gathering any dimension it cannot split, see ``partitioned``).
     ``None`` arguments (absent optional operands) are skipped.
+
+    Args: signature, the layout signature; args, the operands (any shapes). Returns: a
+    tuple ``(in_specs, out_specs)`` of PartitionSpecs (one per operand, ``None`` for an
+    absent one), or None. Raises: ValueError for a malformed signature.
     """
     layout = _layout(signature, args)
     if layout is None or not layout[0]:
@@ -393,11 +451,19 @@ def plan(signature: str, *args) -> Optional[tuple]:
 
 
 def per_shard(signature: str, *args) -> bool:
-    """Whether ``partitioned`` will run the op per shard (an explicit-axes plan, or any
-    layout under Auto axes, partitioned at compile time); like ``partitioned``, on the
-    operands' own mesh when no mesh is set."""
+    """Whether ``partitioned`` will run the op per shard: an explicit-axes plan, or any
+    layout under Auto axes, partitioned at compile time (static shapes, custom_partitioning
+    on); like ``partitioned``, on the operands' own mesh when no mesh is set.
+
+    Args:
+      signature: the op's layout signature (module docstring); args: its array operands
+        (``None`` for an absent optional one), any shapes and dtypes.
+
+    Returns:
+      A Python bool, decided while tracing. Raises: ValueError for a malformed signature.
+    """
     with operands_mesh(*args):
-        return plan(signature, *args) is not None or _auto_mesh() is not None
+        return plan(signature, *args) is not None or (_auto_mesh() is not None and _custom_partitioned(args))
 
 
 def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = None) -> Any:
@@ -415,17 +481,38 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
     vocab-parallel cross_entropy and embed use it.
 
     Under a mesh with Auto axes (set with ``jax.set_mesh``) the op is handed to XLA's
-    partitioner through ``custom_partitioning`` instead (see ``_auto_partitioned``).
+    partitioner through ``custom_partitioning`` instead (see ``_auto_partitioned``), unless
+    shapes are symbolic or ``config.custom_partitioning()`` is off.
+
+    Args:
+      signature: the layout signature (module docstring), e.g. ``"...D,D->...D"``.
+      fn: ``fn(*args) -> array`` (one output), the op with its static parameters bound.
+      args: the array operands, any shapes and dtypes the op takes; ``None`` for an absent
+        optional one (passed to ``fn`` as ``None``).
+      axes_of: see above.
+
+    Returns:
+      ``fn``'s output, with the sharding the signature gives its dimensions (replicated
+      along any dimension that had to be gathered).
+
+    Raises:
+      ValueError: a malformed signature, an operand whose rank the signature cannot take,
+        or a sharded operand on a mesh mixing Explicit and Auto axes (naming the op);
+        ``fn``'s own errors otherwise.
     """
     if _auto_mesh() is not None:
-        return _auto_partitioned(signature, fn, args, axes_of)
+        if _custom_partitioned(args):
+            return _auto_partitioned(signature, fn, args, axes_of)
+        # symbolic shapes (jax.export): custom_partitioning's call needs static ones; or
+        # switched off: whole-array code that XLA partitions (gathering around a kernel)
+        return fn(*args, **_axes_kw(axes_of))
     if _operands_mesh(args) is not None:  # explicitly sharded operands, no mesh set: use theirs
         with operands_mesh(*args):
             return partitioned(signature, fn, *args, axes_of=axes_of)
-    _refuse_mixed_mesh(signature, args)
+    extra = lambda letters: _axes_kw(axes_of, letters.get(axes_of, ()))  # noqa: E731
+    _refuse_mixed_mesh(signature, fn, args, extra({}))
     args, vma = vary_together(args)  # inside a user's vma-checked shard_map
     layout = _layout(signature, args)
-    extra = lambda letters: {} if axes_of is None else {"axes": tuple(letters.get(axes_of, ()))}  # noqa: E731
     if layout is None:
         return fn(*args, **extra({}))
     letters, _, in_specs, out_specs = layout
@@ -485,6 +572,14 @@ def whole(fn: Callable, *args) -> Any:
     operand's layout (a local slice), any other stays replicated. Under Auto axes XLA
     gathers around the kernel by itself, and without a mesh there is nothing to gather:
     ``fn(*args)`` as is.
+
+    Args:
+      fn: ``fn(*args) -> array``, the op with its static parameters bound.
+      args: its array operands (no ``None``).
+
+    Returns:
+      ``fn(*args)``, in the first operand's layout when it has that operand's shape.
+      Raises: ``fn``'s errors.
     """
     if _explicit_mesh() is None and _operands_mesh(args) is None:
         return fn(*args)
@@ -498,6 +593,13 @@ def whole(fn: Callable, *args) -> Any:
 
 
 # ---------------------------------------------------------------- meshes with Auto axes
+def _custom_partitioned(args) -> bool:
+    """Under an Auto-axes mesh: whether the op goes through custom_partitioning (static
+    shapes, and not switched off in ``config``)."""
+    static = all(isinstance(d, int) for a in args if a is not None for d in a.shape)
+    return static and config.custom_partitioning()
+
+
 def _auto_mesh():
     """A mesh of Auto axes over more than one device (one device has nothing to split)."""
     mesh = _mesh()
@@ -565,15 +667,16 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     if len(outs) != 1:
         raise ValueError(f"jaxbwd.sharding: the Auto-axes path takes one output, got signature {signature!r}")
     if any(_expand(ins[i], ops[k].ndim) is None for k, i in enumerate(present)):
-        return fn(*args, **({} if axes_of is None else {"axes": ()}))  # rank misfit: the op's checks report it
-
-    def has_consts(body, *xs):
-        # custom_partitioning refuses a body that closes over array constants (e.g. a
-        # numpy table baked in): such an op runs unpartitioned rather than fail
-        return bool(jax.make_jaxpr(body)(*xs).consts)
+        return fn(*args, **_axes_kw(axes_of))  # rank misfit: the op's checks report it
 
     def call(local, axes=()):
-        return fn(*_refill(args, present, local), **({} if axes_of is None else {"axes": axes}))
+        return fn(*_refill(args, present, local), **_axes_kw(axes_of, axes))
+
+    # One trace of the op: its name (so that errors and remat policies see it here too), and
+    # whether it closes over array constants, which custom_partitioning refuses (e.g. a
+    # numpy table baked in): such an op, or its backward, runs unpartitioned rather than fail.
+    fwd_jaxpr, name = _traced_op(lambda *a: call(a), ops)
+    fwd_consts = bool(fwd_jaxpr.consts)
 
     def plan_for(mesh, shapes):
         specs = [None] * len(args)
@@ -648,14 +751,14 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
     # partitions like any jnp code: custom_partitioning has no AD rule.
     @jax.custom_jvp
     def fwd_any(*xs):
-        return call(xs) if has_consts(lambda *a: call(a), *xs) else fwd_call(*xs)
+        return call(xs) if fwd_consts else fwd_call(*xs)
 
     fwd_any.defjvp(lambda primals, tangents: jax.jvp(lambda *a: call(a), primals, tangents))
     body = lambda *a: tuple(bwd_local(a[:-1], a[-1], ()))  # noqa: E731  (the backward, unpartitioned)
 
     @jax.custom_jvp
     def bwd_any(*xs_ct):
-        return body(*xs_ct) if has_consts(body, *xs_ct) else bwd_call(*xs_ct)
+        return body(*xs_ct) if jax.make_jaxpr(body)(*xs_ct).consts else bwd_call(*xs_ct)
 
     bwd_any.defjvp(lambda primals, tangents: jax.jvp(body, primals, tangents))
 
@@ -678,8 +781,7 @@ def _auto_partitioned(signature: str, fn: Callable, args, axes_of: Optional[str]
 
     from jaxbwd.vjp._derivatives import custom_op
 
-    name = getattr(getattr(fn, "func", fn), "name", None) or signature
-    op = custom_op(lambda *xs: fwd_any(*xs), name=name)
+    op = custom_op(lambda *xs: fwd_any(*xs), name=name or signature)
     op.defvjp(op_fwd, op_bwd)
     op.deftangent(op_tangent)
     return op(*ops)

@@ -27,6 +27,16 @@ def test_config_context_manager_restores_and_validates():
     with pytest.raises(ValueError, match=r"implementation must be None, 'pallas' or 'xla', got 'triton'"):
         with config.use(implementation="triton"):
             pass
+    # a string would read as True ("no" turning interpret mode on): only booleans
+    for name in ("interpret", "custom_partitioning"):
+        with pytest.raises(TypeError, match=rf"jaxbwd.config.use: {name} must be True or False, got 'no'"):
+            with config.use(**{name: "no"}):
+                pass
+        with pytest.raises(TypeError, match=rf"jaxbwd.config.set_default: {name} must be True or False, got 0"):
+            config.set_default(**{name: 0})
+    with config.use(custom_partitioning=False, interpret=np.bool_(True)):
+        assert not config.custom_partitioning() and config.interpret()
+    assert config.custom_partitioning()
 
 
 def test_default_is_xla_on_cpu():
@@ -48,6 +58,17 @@ def test_environment_variables():
     env["JAXBWD_INTERPRET"] = "maybe"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "JAXBWD_INTERPRET must be 1/true/yes/on, 0/false/no/off or unset, got 'maybe'" in bad.stderr
+    code = "from jaxbwd import config; print(config.custom_partitioning())"
+    for value, want in (("0", "False"), ("", "True"), ("yes", "True")):
+        env = dict(os.environ, JAXBWD_CUSTOM_PARTITIONING=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [want], value
+    env["JAXBWD_CUSTOM_PARTITIONING"] = "auto"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "JAXBWD_CUSTOM_PARTITIONING must be 1/true/yes/on" in bad.stderr
+    env = dict(os.environ, JAXBWD_TUNING="/no/such/tuning.json")
+    bad = subprocess.run([sys.executable, "-c", "import jaxbwd"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "jaxbwd: JAXBWD_TUNING names a file that cannot be read" in bad.stderr
 
 
 def test_pallas_on_cpu_without_interpret_fails_clearly():

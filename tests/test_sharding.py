@@ -108,6 +108,11 @@ def _cases(jnp, jax, P, ndim_mesh, auto=False):
             ("rope_tp", lambda x: jaxbwd.rope(x), (q,), (heads,), True),
             ("attention_tp", lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
              (q, kk, v), (heads,) * 3, True),
+            # a dense mask with a keyless row and a zero key length: those rows take mean(v) over
+            # the sharded kv heads, broadcast to the q heads of each group
+            ("attention_tp_mask_lengths", lambda q, k, v: jaxbwd.dot_product_attention(
+                q, k, v, mask=jnp.tril(jnp.ones((8, 8), bool), -1)[None, None],
+                key_value_seq_lengths=jnp.array([8, 0, 5, 8, 8, 8, 8, 8])), (q, kk, v), (heads,) * 3, True),
             # vmap over an extra leading axis of an op under the mesh
             ("vmap_rms_norm", jax.vmap(lambda x, w: jaxbwd.rms_norm(x, w), in_axes=(0, None)),
              (r(2, 8, 4, 32), w), (P(None, "data", None, None), P()), True),
@@ -188,7 +193,7 @@ def _worker(mesh_name):
     if len(shape) == 2 and not auto:
         results += _explicit_extras(jax, jnp, np, P, mesh)
     if auto and len(shape) == 2:
-        results += _auto_derivatives(jax, jnp, np, P, mesh)
+        results += _auto_derivatives(jax, jnp, np, P, mesh) + _auto_export_and_remat(jax, jnp, np, P, mesh)
     print("RESULTS " + json.dumps(results))
 
 
@@ -235,6 +240,55 @@ def _auto_derivatives(jax, jnp, np, P, mesh):
                             "y_spec": str(got.sharding.spec), "replicated_ok": True,
                             "custom_partitioned": lowered.as_text().count("CustomSPMDPartitioning")})
     return out
+
+
+def _auto_export_and_remat(jax, jnp, np, P, mesh):
+    """Under Auto axes: jax.export (symbolic batch with the default settings; static shapes,
+    serialized and called back, with custom_partitioning off), and save_ops seeing the
+    custom-partitioned op by its name."""
+    import jaxbwd
+    from jax import export
+    from jax.sharding import NamedSharding
+    from test_checkpoint_policies import saved_residuals  # this file runs as a script from tests/
+
+    from jaxbwd.checkpoint_policies import save_ops
+    from jaxbwd.vjp._derivatives import FORWARD_MODE
+
+    k = jax.random.split(jax.random.key(4), 2)
+    x, w = jax.random.normal(k[0], (8, 4, 32)), 1.0 + 0.1 * jax.random.normal(k[1], (32,))
+    shardings = (NamedSharding(mesh, P("data")), NamedSharding(mesh, P()))
+    grad = jax.grad(lambda x, w: jnp.sum(jnp.sin(jaxbwd.rms_norm(x, w))), argnums=(0, 1))
+    row = lambda op, err, **kw: dict({"op": op, "err": err, "gather_ok": True, "all_gather": False,  # noqa: E731
+                                      "y_spec": "P()", "replicated_ok": True, "custom_partitioned": 0}, **kw)
+    out = []
+    for implementation in ("xla", "pallas"):
+        with jaxbwd.config.use(implementation=implementation, interpret=True):
+            want = jax.jit(grad)(x, w)
+            with jax.set_mesh(mesh):
+                sharded = [jax.device_put(a, s) for a, s in zip((x, w), shardings)]
+                with jaxbwd.config.use(custom_partitioning=False):
+                    exp = export.export(jax.jit(grad, in_shardings=shardings))(*sharded)
+                got = export.deserialize(exp.serialize()).call(*sharded)
+                out.append(row("auto_export_serialized", _max_rel(np, got, want), impl=implementation))
+                if implementation == "xla":  # symbolic shapes take the XLA formulas
+                    b, = export.symbolic_shape("8*b")  # divisible by any mesh axis here
+                    spec = [jax.ShapeDtypeStruct((b, 4, 32), x.dtype, sharding=shardings[0]),
+                            jax.ShapeDtypeStruct((32,), w.dtype, sharding=shardings[1])]
+                    got = export.export(jax.jit(grad))(*spec).call(*sharded)
+                    out.append(row("auto_export_symbolic", _max_rel(np, got, want), impl=implementation))
+                if FORWARD_MODE:
+                    block = lambda x, w, policy: jnp.sum(jax.checkpoint(  # noqa: E731
+                        lambda x: jnp.sin(jaxbwd.rms_norm(jnp.sin(x), w)), policy=policy)(x))
+                    saved = len(saved_residuals(lambda x, w: block(x, w, save_ops("rms_norm")), *sharded))
+                    baseline = len(saved_residuals(
+                        lambda x, w: block(x, w, jax.checkpoint_policies.nothing_saveable), *sharded))
+                    out.append(row("auto_save_ops", 0.0, impl=implementation, saved_more=saved > baseline))
+    return out
+
+
+def _max_rel(np, got, want):
+    return max(float(np.max(np.abs(np.asarray(g) - np.asarray(v)) / (1.0 + np.abs(np.asarray(v)))))
+               for g, v in zip(got, want))
 
 
 def _explicit_extras(jax, jnp, np, P, mesh):
@@ -349,12 +403,16 @@ def test_ops_partition_without_gathering(mesh_name):
         from jaxbwd.vjp._derivatives import FORWARD_MODE
 
         derivs = {r["op"] for r in results if r["op"].startswith("auto_")}
-        want = {"auto_grad_grad_rms_norm", "auto_grad_grad_cross_entropy_vocab"}
-        assert want | ({"auto_jvp_rms_norm", "auto_hvp_rms_norm"} if FORWARD_MODE else set()) == derivs, derivs
+        want = {"auto_grad_grad_rms_norm", "auto_grad_grad_cross_entropy_vocab", "auto_export_serialized",
+                "auto_export_symbolic"}
+        assert want | ({"auto_jvp_rms_norm", "auto_hvp_rms_norm", "auto_save_ops"} if FORWARD_MODE else set()) == derivs, derivs
+        not_saved = [r["impl"] for r in results if r["op"] == "auto_save_ops" and not r["saved_more"]]
+        assert not not_saved, f"save_ops saved nothing more than nothing_saveable under Auto axes: {not_saved}"
     if mesh_name.endswith("-auto"):
         # Auto axes: every op reaches XLA's partitioner as a custom_partitioning call,
-        # forward and backward (matmul is XLA's own; vmap runs unpartitioned)
-        ops = [r for r in results if not r["op"].startswith(("matmul", "vmap", "auto_"))]
+        # forward and backward (matmul and dense-mask attention are XLA's own code; vmap runs
+        # unpartitioned)
+        ops = [r for r in results if not r["op"].startswith(("matmul", "vmap", "auto_", "attention_tp_mask"))]
         missed = [(r["impl"], r["op"]) for r in ops if r["custom_partitioned"] < 2]
         assert ops and not missed, f"ops not custom-partitioned under Auto axes: {missed}"
 
@@ -372,7 +430,7 @@ def test_mixed_meshes_refused_and_operand_meshes_used():
     mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto), devices=jax.devices()[:1])
     with jax.set_mesh(mesh):
         x = jax.device_put(jnp.ones((4, 8)), P("a"))
-        with pytest.raises(ValueError, match="mixes axis types"):
+        with pytest.raises(ValueError, match=r"jaxbwd\.rms_norm: .*mixes axis types"):
             jaxbwd.rms_norm(x, jnp.ones((8,)))
         jaxbwd.rms_norm(jnp.ones((4, 8)), jnp.ones((8,)))  # nothing sharded: runs
     explicit = jax.make_mesh((1,), ("a",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])

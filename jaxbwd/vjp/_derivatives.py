@@ -63,6 +63,8 @@ receives ``None`` for integer arguments' tangents and zeros for symbolic-zero ta
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Callable, Optional, Sequence
@@ -400,6 +402,19 @@ if _HAVE_HIJAX:
 # Every op name a custom_op carries (jaxbwd's ops at import, user ops when defined): the
 # names op_of_equation can return, which jaxbwd.checkpoint_policies.save_ops accepts.
 OP_NAMES: set[str] = set()
+_CALLS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("jaxbwd_op_calls", default=None)
+
+
+@contextlib.contextmanager
+def recording_calls():
+    """Yields a list that collects, in call order, the names of the ops applied (traced)
+    inside the block, on every jax version: where code wrapping an op needs its name."""
+    names: list = []
+    token = _CALLS.set(names)
+    try:
+        yield names
+    finally:
+        _CALLS.reset(token)
 
 
 def op_of_equation(params: dict) -> Optional[str]:
@@ -461,6 +476,9 @@ class custom_op:
         return _Rules(self.name, primal, fwd, bwd, tangent)
 
     def __call__(self, *args):
+        calls = _CALLS.get()
+        if calls is not None:
+            calls.append(self.name)
         nondiff, dyn = self._split(args)
         # Inside a vma-checked shard_map, operands vary over the same manual axes, as JAX's
         # own primitives make them: AD then transposes the cast of an invariant weight into
