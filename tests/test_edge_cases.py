@@ -112,6 +112,21 @@ def test_64bit_labels_past_int32_are_out_of_range(impl):
         assert float(lce[0]) == 0.0 and float(lce[1]) > 0.0
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("eps", [1e-6, 1e-12])
+def test_layer_norm_of_constant_rows_is_exactly_the_bias(impl, eps):
+    """A constant row has mean exactly its value and variance 0 (the statistics are shifted
+    by the row's first element), so its output is the bias however small eps; jnp.mean
+    alone gives 3.0000002 for 1000 threes, and y = -0.24 at eps=1e-12."""
+    x = jnp.full((4, 1000), 3.0, f32).at[1].set(-7.5)
+    w, b = jnp.linspace(0.5, 2.0, 1000), jnp.linspace(-1.0, 1.0, 1000)
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y = jaxbwd.layer_norm(x, w, b, eps=eps)
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(jaxbwd.layer_norm(x, w, b, eps=eps))))(x)
+    chex.assert_trees_all_equal(y, jnp.broadcast_to(b, x.shape))
+    chex.assert_tree_all_finite(g)
+
+
 def test_row_slice_python_int_start_is_range_checked_array_start_clamps_as_under_jit():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
         jaxbwd.row_slice(jnp.ones((4, 3)), 3, 2)
@@ -175,6 +190,26 @@ def test_unsplittable_huge_input_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"jaxbwd.silu: rows = 4294967311 exceeds the kernels' int32 index range"):
         _common.as_2d("silu", (2**32 + 15,))
+
+
+_S, _BF, _BIG = jax.ShapeDtypeStruct, jnp.bfloat16, 2**31
+
+
+@pytest.mark.parametrize("op,what,fn,args", [
+    ("rms_norm", "cols", lambda x, w: jnp.sum(jaxbwd.rms_norm(x, w)), (_S((1, _BIG), _BF), _S((_BIG,), _BF))),
+    ("rms_norm", "rows", lambda x, w: jnp.sum(jaxbwd.rms_norm(x, w)), (_S((_BIG + 16, 16), _BF), _S((16,), _BF))),
+    ("layer_norm", "cols", lambda x, w: jnp.sum(jaxbwd.layer_norm(x, w, w)), (_S((1, _BIG), _BF), _S((_BIG,), _BF))),
+    ("softmax", "cols", lambda x: jnp.sum(jnp.sin(jaxbwd.softmax(x))), (_S((1, _BIG), _BF),)),
+    ("cross_entropy", "classes", lambda x, y: jaxbwd.cross_entropy(x, y), (_S((1, _BIG), _BF), _S((1,), jnp.int32))),
+    ("bias_add", "cols", lambda x, b: jnp.sum(jaxbwd.bias_add(x, b)), (_S((1, _BIG), _BF), _S((_BIG,), _BF))),
+    ("embed", "features", lambda t: jnp.sum(jaxbwd.embed(jnp.zeros(2, jnp.int32), t)), (_S((2, _BIG), _BF),)),
+])
+def test_row_kernels_past_int32_are_a_clear_error(op, what, fn, args):
+    """A row-wise kernel's dimension past int32 (traced only, nothing allocated): the
+    ValueError the README promises, not an overflow inside JAX."""
+    with jaxbwd.config.use(implementation="pallas", interpret=True):
+        with pytest.raises(ValueError, match=rf"jaxbwd\.{op}: {what} = \d+ exceeds the kernels' int32 index range"):
+            jax.eval_shape(jax.grad(fn), *args)
 
 
 # ------------------------------------------- index arrays narrower than the sizes they index

@@ -222,6 +222,7 @@ def softmax_bwd(y, dy, *, interpret: bool = False):
       dx [R, D] in y's dtype.
     """
     R, D = y.shape
+    C.check_index_range("softmax", rows=R, cols=D)
     if R * D == 0:
         return jnp.zeros(y.shape, y.dtype)
     t = C.row_tiling(R, D)

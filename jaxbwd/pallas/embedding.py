@@ -126,6 +126,7 @@ def embed_bwd(work, dy, *, num_rows: int, dtype, interpret: bool = False):
     """
     N, D = dy.shape
     V = int(num_rows)
+    C.check_index_range("embed", tokens=N, num_embeddings=V, features=D)
     W = C.cdiv(N, CHUNK)
     block_cols = min(C.next_pow2(D), MAX_BLOCK_COLS)
     n_col_blocks = C.cdiv(D, block_cols)

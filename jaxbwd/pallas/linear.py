@@ -50,6 +50,7 @@ def column_sum_f32(dy, *, transform=None, extra=(), name: str = "bias_add_dbias"
     program streams a thin vertical strip; the row splits G per column block come from the
     compiled occupancy (``_tuning.split``: one wave at most)."""
     R, D = dy.shape
+    C.check_index_range(name.removesuffix("_bwd").removesuffix("_dbias"), rows=R, cols=D)
     cfg = _tuning.column_sum(dy.dtype, name)
     t = C.RowTiling(R, D, block_rows=min(cfg.block_m, C.next_pow2(R)), block_cols=min(cfg.block_n, C.next_pow2(D)),
                     num_warps=cfg.num_warps)

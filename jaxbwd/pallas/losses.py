@@ -57,6 +57,7 @@ NEG_INF = float("-inf")
 
 
 def _tiling(R: int, V: int) -> C.RowTiling:
+    C.check_index_range("cross_entropy", rows=R, classes=V)
     return C.row_tiling(R, V, max_block_rows=16)
 
 

@@ -101,6 +101,7 @@ def norm_bwd(x, w, dy, mean, rstd, *, offset: float = 0.0, interpret: bool = Fal
     """
     R, D = x.shape
     centered = mean is not None
+    C.check_index_range("layer_norm" if centered else "rms_norm", rows=R, cols=D)
     t, cfg = _tuning.norm_bwd(R, D, centered)
     n_chunks = t.num_col_blocks
     G = _tuning.split(n_chunks, t.num_row_blocks, cfg)

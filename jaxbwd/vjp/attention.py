@@ -389,8 +389,10 @@ def _local_window(local_window_size):
 def _mean_v_rows(out, v, empty):
     """Rows in ``empty`` ([B, T, N] or broadcastable) get mean(v) over all keys, as jax.nn
     (its masked logits are a large finite negative, so such a row's softmax is uniform)."""
-    N, K = out.shape[2], v.shape[2]
-    mean_v = jnp.repeat(jnp.mean(v.astype(B.acc_dtype(v)), axis=1), N // K, axis=1)  # [B, N, H]
+    (Bsz, _, N, H), K = out.shape, v.shape[2]
+    mean_v = jnp.mean(v.astype(B.acc_dtype(v)), axis=1)  # [B, K, H]
+    # broadcast then merge (not jnp.repeat) so a head-sharded Explicit mesh needs no out_sharding
+    mean_v = jnp.broadcast_to(mean_v[:, :, None], (Bsz, K, N // K, H)).reshape(Bsz, N, H)
     return jnp.where(empty[..., None], mean_v[:, None].astype(out.dtype), out)
 
 
@@ -473,7 +475,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     (key lengths become key segment ids in-kernel; query lengths zero rows after).
     With a dense ``bias`` or ``mask``, or a non-causal window with ``0 < r != l``, every
     implementation runs the documented dense XLA path: [B, N, T, S] float32 logits and
-    XLA's autodiff (O(T*S) memory, as jax.nn's own XLA implementation).
+    XLA's autodiff (O(T*S) memory, as jax.nn's own XLA implementation). The implementation
+    named is still checked against the operands: float64 with a Pallas one is a TypeError,
+    ``"pallas:mosaic"`` for a dtype or head dim without a Mosaic kernel a ValueError.
 
     Returns:
       query's shape and dtype. Softmax statistics and accumulators are float32.
@@ -493,6 +497,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         local_window_size and sliding_window,
         logit_softcap <= 0, scale or logit_softcap not finite, head dim > 256 with
         ``implementation="pallas"`` (with None it runs the XLA path), unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Dao, "FlashAttention-2" (2023), Algorithm 1 (forward with logsumexp) and
     Algorithm 2 (backward recomputing P from the logsumexp); Gemma Team, "Gemma 2" (2024) for

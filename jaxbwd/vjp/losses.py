@@ -41,7 +41,9 @@ REDUCTIONS = ("mean", "sum", "none")
 def _valid_labels(labels, V, ignore_index):
     """labels -> int32 labels with -1 for ignored and out-of-range rows (the documented policy);
     the range is checked before the cast, so 64-bit labels past int32 do not wrap into range."""
-    ok = (labels >= 0) & (labels < V) & (labels != ignore_index)
+    ok = (labels >= 0) & (labels != ignore_index)
+    if V <= jnp.iinfo(labels.dtype).max:  # else every label is in range (and V does not fit the dtype)
+        ok = ok & (labels < V)
     return jnp.where(ok, labels, -1).astype(jnp.int32)
 
 
@@ -312,7 +314,9 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:
-      A scalar (mean, sum) or [...] (none) in logits' dtype.
+      A scalar (mean, sum) or [...] (none) in logits' dtype. A row whose logits are all
+      -inf has a NaN loss, as optax's, but a finite gradient (``-onehot``, where optax's is
+      NaN); mask such rows out with ``where`` (loss 0, ignored) to keep the loss finite.
 
     Residuals: the gradient for a unit cotangent, ``d`` [..., V] in logits' dtype (float32
     for float16 logits), computed in the forward while the logits are on chip; the logits
@@ -331,6 +335,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
       TypeError: logits not floating, labels not integer, a traced static parameter.
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
         outside [0, 1] or z_loss < 0 (either not finite), unknown reduction or implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: ``dlogits = g * w * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)`` with ``w``
     the row's weight in the reduction, the softmax as ``exp(x - max) / sum`` from the row max

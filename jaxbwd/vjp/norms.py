@@ -21,8 +21,15 @@ from jaxbwd import sharding as S
 def _stats(x2, eps, centered):
     xf = x2.astype(B.acc_dtype(x2))
     if centered:
-        mean = jnp.mean(xf, axis=-1)
-        var = jnp.mean(jnp.square(xf - mean[:, None]), axis=-1)
+        # Shifted by each row's first element: a constant row has mean exactly that value
+        # and variance 0 (jnp.mean alone rounds 3.0 to 3.0000002 over 1000 columns, which at
+        # eps=1e-12 turns the zero output into -0.2), and a row's large offset leaves the
+        # variance (the differences are exact); the mean itself is still rounded to f32.
+        shift = xf[:, :1]
+        d = xf - shift
+        dmean = jnp.mean(d, axis=-1)
+        mean = shift[:, 0] + dmean
+        var = jnp.mean(jnp.square(d - dmean[:, None]), axis=-1)
     else:
         mean = None
         var = jnp.mean(jnp.square(xf), axis=-1)
@@ -120,6 +127,7 @@ def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0, implementation=None):
       TypeError: x or weight not floating; eps traced.
       ValueError: x of rank 0, weight not of shape [D], eps <= 0 or not finite, weight_offset
         not finite, unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019). The backward
     is ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy))``, ``dw = sum(dy * x_hat)``.
@@ -183,6 +191,7 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     Raises:
       TypeError: x, weight or bias not floating; eps traced.
       ValueError: x of rank 0, weight/bias not of shape [D], eps <= 0 or not finite, unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Ba, Kiros & Hinton, "Layer Normalization" (2016). Backward:
     ``dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy) - mean(w*dy))``, ``dw = sum(dy * x_hat)``,
