@@ -9,7 +9,7 @@ The three steps every user op takes:
 
 1. ``jaxbwd.define_op``: the forward, the XLA backward formula, and the Pallas backward (a
    plain ``pl.pallas_call`` over 2-D blocks, written here the way any Pallas kernel is);
-2. ``SQUARED_RELU.spec(...)``: the registry entry (reference, example inputs, realistic
+2. ``squared_relu.spec(...)`` (``SPEC`` below): the registry entry (reference, example inputs, realistic
    shapes for the GPU lowering check, bad inputs, residual budget);
 3. ``jaxbwd.testing.OpContract``: subclass it with ``spec = SPEC`` in a test file and pytest
    runs jaxbwd's contract on the op (see ``tests/test_define.py``).

@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", help="a text file to train on (default: the Python stdlib sources)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="model and schedule: default (820k params, 1200 steps, 5-12 minutes on CPU) or tiny "
+                   help="model and schedule: default (820k params, 1200 steps, 4-12 minutes on CPU) or tiny "
                         "(90k params, 30 steps, under a minute)")
     p.add_argument("--steps", type=int, help="override the preset's number of steps")
     p.add_argument("--implementation", choices=["xla", "pallas"], default=None,

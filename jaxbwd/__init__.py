@@ -6,6 +6,20 @@ saves small residuals (row statistics, logsumexp) and the backward runs a Pallas
 one primitive that also carries a tangent rule (``jaxbwd/vjp/_derivatives.py``), so
 forward mode and second order work too. Choose per call with ``implementation=None|"pallas"|"xla"``
 or globally with :mod:`jaxbwd.config`.
+
+Errors common to every op (each op's docstring lists its own; all name the op and are
+raised while tracing):
+
+* ``TypeError``: an operand of a dtype the op does not take (integers, 8-bit floats);
+  float64 operands with a Pallas implementation named in the call (the kernels compute in
+  float32; ``None`` and ``"xla"`` run XLA for them).
+* ``ValueError``: an unknown ``implementation``; ``"pallas:mosaic"`` named for an op, dtype,
+  head dim or GPU generation without a Mosaic kernel (``config.MOSAIC_KERNELS``); a Pallas
+  implementation named with symbolic shapes (``jax.export``); a kernel to run on a CPU
+  backend outside interpret mode; an empty reduction axis (hidden size, vocabulary, keys);
+  a dimension a kernel indexes past 2**31 - 1; NumPy int64 index arrays (ids, labels,
+  lengths, segment ids) with values outside int32 while x64 is off (JAX would wrap them;
+  with x64 on, such values are out of range and each op's docstring says what it does).
 """
 from jaxbwd import checkpoint_policies, config
 from jaxbwd.define import define_elementwise, define_op

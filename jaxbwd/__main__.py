@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     pl = sub.add_parser("list", help=text, description=text)
     pl.add_argument("--ops", nargs="*", help=ops_help)
     pl.add_argument("--wide", action="store_true", help=wide_help)
-    text = ("gradient check of each op against autodiff of its reference (about a minute on CPU, where the "
-            "Pallas kernels run in interpret mode)")
+    text = ("gradient check of each op against autodiff of its reference (2-3 minutes on 2 CPU cores, where "
+            "the Pallas kernels run in interpret mode)")
     pc = sub.add_parser("check", help=text, description=text)
     pc.add_argument("--ops", nargs="*", help=ops_help)
     pc.add_argument("--wide", action="store_true", help=wide_help)
@@ -240,10 +240,13 @@ def main(argv=None) -> int:
     pg.add_argument("--ops", nargs="*", help="op names, space-separated (default: every op with Pallas kernels), "
                                              "or user ops as module:ATTR or path/file.py:ATTR")
     pg.add_argument("--gpu", default="h200",
-                    help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100)")
-    pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16")
+                    help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100) "
+                         "(default: h200)")
+    pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16 "
+                                                        "(default: f32,bf16)")
     pg.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
-    pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed")
+    pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed "
+                                                           "(default: 900)")
     pg.add_argument("--json", metavar="PATH", help="write the full report (every figure per kernel) as JSON")
     pg.add_argument("--markdown", metavar="PATH", help="write the table with a legend as Markdown")
     pg.add_argument("--wide", action="store_true", help=wide_help)

@@ -64,6 +64,9 @@ def save_ops(*names: str) -> Callable[..., bool]:
       NotImplementedError: jax < 0.12, where the ops are ``jax.custom_vjp`` functions and no
         equation is an op (name an op's output with ``jax.ad_checkpoint.checkpoint_name``
         and save it with ``save_only_these_names`` there).
+
+    Source: JAX's ``jax.checkpoint_policies.save_only_these_names``, keyed by op instead of
+    by ``checkpoint_name``.
     """
     where = "jaxbwd.checkpoint_policies.save_ops"
     if not names:

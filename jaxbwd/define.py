@@ -341,6 +341,9 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
 
     float64 arguments reach ``pallas_backward`` like any other (jaxbwd's own kernels compute
     in float32 and hand float64 to XLA; a user's kernel is its author's to choose).
+
+    Source: the VJP/JVP rule pair of JAX's custom derivatives (``jax.custom_vjp``'s
+    fwd/bwd, ``jax.custom_jvp``'s tangent), as jaxbwd's own ops declare theirs.
     """
     _check_name("define_op", name)
     where = f"jaxbwd.define_op({name!r})"
@@ -381,6 +384,9 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is
         neither "input" nor "output". TypeError: a formula that is not callable.
+
+    Source: the chain rule for a unary map, ``dx = dy * f'(x)`` (or ``f'`` written in terms
+    of the saved output ``y = f(x)``), one elementwise pass in the backward.
     """
     _check_name("define_elementwise", name)
     for arg, f in (("forward", forward), ("derivative", derivative), ("kernel_derivative", kernel_derivative)):

@@ -752,7 +752,9 @@ _SPECS += [
         name="bias_dropout_add", family="regularization", fn=dropout_ops.bias_dropout_add,
         reference=ref.bias_dropout_add, diff_argnums=(0, 1, 2), static_params=("rate", "deterministic"),
         kernels=("bias_dropout_add_bwd",),
-        backward="Pallas: one pass over dy regenerates the mask, writes dx and sums dbias in f32; dresidual = dy; saves the key only",
+        backward=("Pallas: `residual + dropout(x + bias)`; one pass over dy regenerates the mask, writes dx and sums "
+                  "dbias in f32 (2 passes of x's bytes where `dropout` then `bias_add` take 3); dresidual = dy; "
+                  "saves the key only"),
         examples=tuple(
             Example(f"{'x'.join(map(str, s))}-rate{r}",
                     lambda k, dt, s=s, r=r: ((_normal(k, s, dt), _normal(jax.random.fold_in(k, 1), s[-1:], dt),

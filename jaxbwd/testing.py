@@ -28,6 +28,22 @@ dtype promotion, 16-bit transforms, x64 tracing, ``jacfwd``, Hessian-vector prod
 
 Each check is also a plain function (``check_forward(spec, impl, dtype)`` ...) for other
 test runners. Needs ``chex`` and ``pytest`` (jaxbwd's ``test`` extra).
+
+Arguments of the ``check_*`` functions (their docstrings say which each takes):
+
+* ``spec``: the op's :class:`~jaxbwd.registry.OpSpec`;
+* ``impl``: ``"xla"`` or ``"pallas"`` (the kernels run in interpret mode when the default
+  backend is not a GPU);
+* ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"``, the floating inputs' dtype
+  (integer inputs keep theirs);
+* ``example``: one of ``spec.examples`` (default: each of them, or the first where the
+  docstring says so).
+
+Each returns None and raises ``AssertionError`` (chex's or pytest's) when the op fails the
+check; an error the op raises itself propagates. Tolerances, relative to
+``max(1, max|reference|)``: float32 1e-5, bfloat16 2e-2, float16 2e-3 (``TOL``), each
+against the float32 reference. Source: the references are the registry's plain-jnp
+formulas differentiated by JAX's autodiff; check 3 is ``jax.test_util.check_grads``.
 """
 from __future__ import annotations
 
@@ -63,7 +79,15 @@ def _cotangent(out, seed=1):
 
 
 def assert_close(actual, expected, tol: float) -> None:
-    """``chex.assert_trees_all_close`` in float32 with ``atol = tol * max(1, max|expected|)``."""
+    """``chex.assert_trees_all_close`` in float32 with ``atol = tol * max(1, max|expected|)``.
+
+    Args:
+      actual, expected: pytrees of arrays of the same structure and shapes (any dtypes).
+      tol: the relative tolerance (also ``rtol``).
+
+    Raises:
+      AssertionError: an element differs by more than ``atol + rtol * |expected|``.
+    """
     scale = max(1.0, max(float(jnp.max(jnp.abs(e.astype(jnp.float32)))) for e in jax.tree_util.tree_leaves(expected)))
     f32 = lambda t: jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
     chex.assert_trees_all_close(f32(actual), f32(expected), atol=tol * scale, rtol=tol)
@@ -77,7 +101,8 @@ def _truth(spec, args, kwargs):
 
 
 def implementations(spec: OpSpec) -> tuple[str, ...]:
-    """``("xla", "pallas")``, or ``("xla",)`` for an op whose backward is XLA by design."""
+    """The implementations the contract runs for ``spec`` (an OpSpec): ``("xla", "pallas")``,
+    or ``("xla",)`` for an op whose backward is XLA by design. Raises nothing."""
     return IMPLS if spec.has_kernels else ("xla",)
 
 
@@ -256,7 +281,10 @@ def check_second_order(spec: OpSpec, impl: str) -> None:
 
 # ------------------------------------------------------------------------- pytest base
 class OpContract:
-    """Subclass with ``spec = <OpSpec>`` (class name starting with ``Test``) to run the contract."""
+    """Subclass with ``spec = <OpSpec>`` (class name starting with ``Test``) to run the contract:
+    pytest collects one test per check (module docstring), parametrised over the
+    implementations, skipping only what the spec declares absent (no kernels, no residual
+    budget; forward mode on jax < 0.12)."""
 
     spec: OpSpec = None
 

@@ -48,3 +48,21 @@ def test_readme_derivatives_example(implementation):
     u, du_dt = jax.jvp(velocity, (x, t), (x, jnp.ones_like(t)))
     np.testing.assert_allclose(np.asarray(scope["u"]), np.asarray(u), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(scope["du_dt"]), np.asarray(du_dt), rtol=1e-4, atol=1e-5)
+
+
+def test_readme_op_table_is_the_registry():
+    """The README's op table says what ``python -m jaxbwd list`` prints: the same ops in the
+    same order, with the same differentiable arguments, static params, kernels and backward."""
+    from jaxbwd import registry
+    from jaxbwd.__main__ import _diff_names
+
+    text = README.read_text()
+    table = text[text.index("## Ops"):]
+    table = table[:table.index("\n\n", table.index("| op |"))]
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table.splitlines()
+            if line.startswith("| `")]
+    want = [[f"`{s.name}`", ", ".join(_diff_names(s)), ", ".join(s.static_params) or "-",
+             ", ".join(f"`{k}`" for k in s.kernels) or "- (XLA by design)", s.backward] for s in registry.ops()]
+    assert [r[0] for r in rows] == [w[0] for w in want]
+    for got, exp in zip(rows, want):
+        assert got == exp, f"README row {got[0]} differs from the registry"

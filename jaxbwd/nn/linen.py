@@ -247,6 +247,8 @@ class SwiGLUMLP(_Impl, fnn.Module):
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
     and float32 x, float64 for float64 x (an integer x is promoted too: float32).
+
+    Source: Shazeer, "GLU Variants Improve Transformer" (2020), the SwiGLU variant.
     """
 
     hidden: int

@@ -106,6 +106,9 @@ class Linear(nnx.Linear, _Impl):
     Errors: ValueError for an unknown ``implementation`` (when the module is built); on the
     kernel path those of :func:`jaxbwd.matmul` and :func:`jaxbwd.bias_add` (TypeError for
     float64 with a bias and ``implementation="pallas"``); flax's own on flax's path.
+
+    Source: flax's ``nnx.Linear`` (``y = x W + b``); the gradients are the matmul's
+    ``dx = dy W^T``, ``dW = x^T dy`` and the bias's column sum.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -133,6 +136,9 @@ class Embed(nnx.Embed, _Impl):
     kernel path those of :func:`jaxbwd.embed` (TypeError for float64 with
     ``implementation="pallas"``); flax's ValueError for ids that are not integers; flax's own
     on flax's path.
+
+    Source: flax's ``nnx.Embed``; the table gradient is the scatter-add of the output
+    cotangent rows at the ids (:func:`jaxbwd.embed`).
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -206,6 +212,9 @@ class Conv(nnx.Conv, _Impl):
     result's dtype is flax's. Errors: ValueError for an unknown ``implementation`` (when the
     module is built); on the kernel path those of :func:`jaxbwd.conv2d` (TypeError for
     float64 with ``implementation="pallas"``); flax's own on flax's path.
+
+    Source: flax's ``nnx.Conv``; the backward is :func:`jaxbwd.conv2d`'s implicit-GEMM
+    dgrad and wgrad.
     """
 
     def __init__(self, *args, implementation: Optional[str] = None, **kwargs):
@@ -292,6 +301,8 @@ class SwiGLUMLP(nnx.Module, _Impl):
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
     and float32 x, float64 for float64 x (an integer x is promoted too: float32).
+
+    Source: Shazeer, "GLU Variants Improve Transformer" (2020), the SwiGLU variant.
     """
 
     def __init__(self, features: int, hidden: int, *, limit: Optional[float] = None, use_bias: bool = False,

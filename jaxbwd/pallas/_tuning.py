@@ -306,7 +306,11 @@ def use(overrides: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Iterator[No
 
 
 if os.environ.get("JAXBWD_TUNING"):
-    load(os.environ["JAXBWD_TUNING"])
+    try:
+        load(os.environ["JAXBWD_TUNING"])
+    except OSError as e:  # at import: say which setting named the file
+        raise OSError(e.errno, f"jaxbwd: JAXBWD_TUNING names a file that cannot be read ({e.strerror})",
+                      os.environ["JAXBWD_TUNING"]) from e
 
 
 # ------------------------------------------------------------------------ heuristics

@@ -88,6 +88,7 @@ def silu(x, *, implementation=None):
     Raises:
       TypeError: x not a floating array.
       ValueError: unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Elfwing, Uchibe & Doya, "Sigmoid-Weighted Linear Units for Neural Network
     Function Approximation in Reinforcement Learning" (2017); Ramachandran, Zoph & Le,
@@ -118,6 +119,7 @@ def gelu(x, *, approximate=True, implementation=None):
     Raises:
       TypeError: x not floating; approximate not a bool.
       ValueError: unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Hendrycks & Gimpel, "Gaussian Error Linear Units (GELUs)" (2016).
     """
@@ -149,6 +151,7 @@ def relu(x, *, implementation=None):
     Raises:
       TypeError: x not a floating array.
       ValueError: unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Nair & Hinton, "Rectified Linear Units Improve Restricted Boltzmann Machines" (2010).
     """
@@ -176,6 +179,7 @@ def leaky_relu(x, negative_slope=0.01, *, implementation=None):
     Raises:
       TypeError: x not floating; negative_slope traced or not a real number.
       ValueError: negative_slope NaN or infinite; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Maas, Hannun & Ng, "Rectifier Nonlinearities Improve Neural Network Acoustic
     Models" (2013).
@@ -203,6 +207,7 @@ def sigmoid(x, *, implementation=None):
     Raises:
       TypeError: x not floating.
       ValueError: unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the logistic function; derivative ``s' = s (1 - s)``.
     """
@@ -227,6 +232,7 @@ def tanh(x, *, implementation=None):
     Raises:
       TypeError: x not floating.
       ValueError: unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: derivative ``tanh' = 1 - tanh**2``.
     """
@@ -281,6 +287,7 @@ def swiglu(gate, up, *, limit=None, implementation=None):
     Raises:
       TypeError: gate or up not floating, or of different dtypes; limit traced or not a number.
       ValueError: gate and up shapes differ; limit <= 0; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Shazeer, "GLU Variants Improve Transformer" (2020); the clamp follows OpenAI's
     gpt-oss reference implementation (2025).
@@ -352,6 +359,7 @@ def gated_linear_unit(x, *, activation="silu", limit=None, implementation=None):
       TypeError: x not floating; limit traced or not a number.
       ValueError: x of rank 0 or with an odd last dimension; unknown activation;
         limit <= 0; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Dauphin et al., "Language Modeling with Gated Convolutional Networks" (2017);
     Shazeer, "GLU Variants Improve Transformer" (2020); clamp from gpt-oss (2025).
@@ -418,6 +426,7 @@ def glu(x, axis=-1, *, implementation=None):
     Raises:
       TypeError: x not floating; axis not an int.
       ValueError: x of rank 0; axis out of range; odd size along axis; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Dauphin et al., "Language Modeling with Gated Convolutional Networks" (2017), eq. 2.
     """
@@ -501,6 +510,7 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
       TypeError: x not floating; axis not an int, a tuple of ints or None; where not boolean.
       ValueError: x of rank 0; an axis out of range or repeated; where not broadcastable
         to x; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Bridle, "Probabilistic Interpretation of Feedforward Classification Network
     Outputs" (1990); the backward is the softmax Jacobian ``diag(y) - y y^T`` applied to dy.

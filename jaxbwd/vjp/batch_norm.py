@@ -128,6 +128,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
         of running_mean/running_var; running statistics missing when not training; eps <= 0;
         momentum outside [0, 1]; in training, an ``axis_name`` that no enclosing
         shard_map/pmap/vmap binds; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Ioffe & Szegedy, "Batch Normalization: Accelerating Deep Network Training by
     Reducing Internal Covariate Shift" (2015), algorithm 1 and section 3.

@@ -118,6 +118,7 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
       TypeError: x not floating; rate or deterministic not static.
       ValueError: rate outside [0, 1]; rng missing or not a threefry key; unknown implementation;
         x of symbolic shape (``jax.export``) with 0 < rate < 1 and not deterministic.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Srivastava et al., "Dropout: A Simple Way to Prevent Neural Networks from
     Overfitting" (JMLR 2014), inverted-dropout scaling; hash: lowbias32 (Wellons 2018).
@@ -208,6 +209,7 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
         missing or not a threefry key; unknown implementation; with 0 < rate < 1 and not
         deterministic (the mask's 2-D view), rows (the product of x's leading dims) >= 2**31
         or x of symbolic shape (``jax.export``).
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Megatron-LM's fused bias-dropout-add (Shoeybi et al. 2019); dropout as
     Srivastava et al. (JMLR 2014), inverted scaling.

@@ -119,6 +119,7 @@ def embed(ids, table, *, padding_idx=None, implementation=None):
       ValueError: table not of rank 2, padding_idx outside [-V, V), a NumPy int64 ids array
         with values outside int32 while ``jax_enable_x64`` is off (JAX would wrap them),
         unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the adjoint of a gather is a scatter-add (``torch.nn.Embedding`` semantics for
     ``padding_idx``).

@@ -130,6 +130,7 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
       TypeError: x, weight or bias not floating; num_groups not an int; eps traced.
       ValueError: x of rank < 2, weight/bias not [C], num_groups not dividing C, eps <= 0,
         unknown activation or implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Wu & He, "Group Normalization" (ECCV 2018). Backward per (n, g), over its M
     elements: ``dx = rstd * (w*dz - mean(w*dz) - x_hat * mean(w*dz * x_hat))``,

@@ -61,6 +61,7 @@ def matmul(x, w, *, implementation=None):
     Raises:
       TypeError: non-floating x or w.
       ValueError: w not rank 2, x rank 0, or x's last dim != w's first dim.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the chain rule for a matrix product.
     """
@@ -118,6 +119,7 @@ def bias_add(x, bias, *, implementation=None):
     Raises:
       TypeError: non-floating x or bias.
       ValueError: x rank 0, bias not of shape [D].
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the chain rule; the reduction follows the split-K pattern (partials, then a sum).
     """
@@ -153,6 +155,7 @@ def scale(x, factor, *, implementation=None):
     Raises:
       TypeError: non-floating x; factor not a Python number (e.g. traced).
       ValueError: factor NaN or infinite.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Hu et al., "LoRA" (2021), the alpha/r scaling of the update.
     """
@@ -207,6 +210,7 @@ def residual_add(a, b, *, implementation=None):
     Raises:
       TypeError: non-floating a or b.
       ValueError: shapes that do not broadcast.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the chain rule; gradients of broadcast operands are summed over the broadcast axes.
     """

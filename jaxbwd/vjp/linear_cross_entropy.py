@@ -324,6 +324,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         z_loss < 0 (either not finite), logit_softcap <= 0 or not finite, unknown
         reduction or implementation; x of symbolic shape (``jax.export``: the XLA path
         sizes its token chunks from the token count).
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (ICLR
     2025): logits recomputed blockwise from x and w, only the lse stored; the gradient

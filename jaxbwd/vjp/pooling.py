@@ -187,6 +187,7 @@ def max_pool2d(x, window_shape, strides=None, padding="VALID", *, implementation
       TypeError: x not floating; window_shape, strides or padding amounts not ints.
       ValueError: x not rank 4; window_shape/strides not one int or two, or below 1; bad
       padding; a window larger than the padded input; unknown implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: max pooling as in ``flax.linen.max_pool`` / ``lax.reduce_window``.
     """
@@ -266,6 +267,7 @@ def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad
 
     Raises:
       TypeError: x not floating; count_include_pad not a bool. ValueError: as max_pool2d.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: average pooling as in ``flax.linen.avg_pool``.
     """
@@ -306,6 +308,7 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
     Raises:
       TypeError: x not floating; output_size not ints. ValueError: x not rank 4; no
       output_size; output_size not one int or two, or below 1.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: PyTorch's ``AdaptiveAvgPool2d`` bin convention; ``output_size=1`` is global
     average pooling.

@@ -90,6 +90,7 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean", implementa
     Raises:
       TypeError: a non-floating argument; predictions and targets of different dtypes.
       ValueError: mismatched shapes; unknown reduction or implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: the least-squares loss; gradient ``d/dp = 2 w (p - t)`` (scaled by 1/N for the mean).
     """

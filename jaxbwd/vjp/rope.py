@@ -162,6 +162,7 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
       ValueError: x not of rank 4, H odd, positions not [T] or [B, T], start_pos not a
         scalar, theta or scale_factor <= 0 or not finite, malformed frequency_scaling, unknown
         implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
     (2021); Chen et al., "Extending Context Window of Large Language Models via Positional

@@ -39,6 +39,7 @@ def reshape(x, shape, *, implementation=None):
     Raises:
       TypeError: non-floating x; shape not a sequence of ints.
       ValueError: element counts differ, or more than one -1.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: a reshape's adjoint is the inverse reshape.
     """
@@ -104,6 +105,7 @@ def row_slice(x, start, size, *, implementation=None):
       TypeError: non-floating x, non-integer start, size not an int.
       ValueError: x not rank 2, size out of [0, R], a Python or NumPy int start out of [0, R - size],
         a symbolic R (``jax.export``).
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: a slice's adjoint is the zero-padded scatter of the cotangent.
     """

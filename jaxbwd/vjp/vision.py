@@ -103,6 +103,7 @@ def upsample2d(x, scale, *, method="nearest", implementation=None):
     Raises:
       TypeError: x not floating; scale not ints.
       ValueError: x not rank 4, scale < 1 or not a pair, unknown method or implementation.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: nearest-neighbour and bilinear upsampling as in UNet decoders (Ronneberger et
     al. 2015; Stable Diffusion's ``Upsample``); bilinear weights follow ``jax.image.resize``.
@@ -164,6 +165,7 @@ def pixel_shuffle(x, upscale_factor, *, implementation=None):
     Raises:
       TypeError: x not floating; upscale_factor not an int.
       ValueError: x not rank 4, upscale_factor < 1, channels not divisible by r*r.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Shi et al., "Real-Time Single Image and Video Super-Resolution Using an
     Efficient Sub-Pixel Convolutional Neural Network" (CVPR 2016).
@@ -229,6 +231,7 @@ def unpatchify(tokens, *, grid, patch_size, channels, implementation=None):
       TypeError: tokens not floating; grid, patch_size or channels not ints.
       ValueError: tokens not rank 3, tokens.shape[1] != gh*gw, tokens.shape[2] != p*p*C,
         non-positive sizes.
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, ICCV 2023),
     ``unpatchify``; He et al., "Masked Autoencoders" (2022).
@@ -363,6 +366,7 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1, implementation=No
         Cout; non-positive stride/dilation/groups; negative padding; a padded x smaller
         than the dilated kernel (no output position). (N = 0 or Cout = 0 give an empty
         result.)
+      Also the errors common to every op (``help(jaxbwd)``).
 
     Source: implicit GEMM as in cuDNN (Chetlur et al., "cuDNN: Efficient Primitives for
     Deep Learning", 2014) and NVIDIA CUTLASS's implicit-GEMM convolutions (Fprop, Dgrad,
