@@ -271,20 +271,34 @@ def _traced_op(fn: Callable, args):
     return jaxpr, (names[0] if names else None)
 
 
-def _refuse_mixed_mesh(signature, fn, args, extra):
+def _static(args) -> bool:
+    return all(isinstance(d, int) for a in args if a is not None for d in a.shape)
+
+
+def _refuse_unpartitionable(signature, fn, args, extra):
+    """ValueError naming the op for sharded operands where neither path applies: a mesh
+    mixing Explicit and Auto axes, or symbolic shapes on an explicit mesh."""
     mesh = _mesh()
-    if mesh is None or not {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= set(mesh.axis_types):
+    if mesh is None or not any(a is not None and any(_spec_of(a, a.ndim)) for a in args):
         return
-    if any(a is not None and any(_spec_of(a, a.ndim)) for a in args):
+    if {jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto} <= set(mesh.axis_types):
         kinds = ", ".join(f"{n}={t.name}" for n, t in zip(mesh.axis_names, mesh.axis_types))
-        try:
-            name = _traced_op(lambda *a: fn(*a, **extra), args)[1]
-        except Exception:  # the op's own checks fail on these operands: they report it when it runs
-            name = None
-        raise ValueError(
-            f"jaxbwd.{name or f'op with layout {signature!r}'}: got an operand sharded on a mesh that mixes axis types "
-            f"({kinds}); jaxbwd partitions under meshes whose axes are all Explicit or all Auto "
-            "(Manual axes of an enclosing shard_map may sit beside Explicit ones)")
+        why = (f"got an operand sharded on a mesh that mixes axis types ({kinds}); jaxbwd partitions under "
+               "meshes whose axes are all Explicit or all Auto (Manual axes of an enclosing shard_map may sit "
+               "beside Explicit ones)")
+    elif _explicit_mesh() is not None and not _static(args):
+        # JAX's own jnp code exports there but cannot be called (its shape refinement fails);
+        # through the op's shard_map the call crashes the process instead
+        why = ("got an operand sharded on an explicit mesh with symbolic shapes (jax.export); JAX cannot call "
+               "such a module, so it is refused here: export with static shapes, or with the operands "
+               "replicated, or under a mesh of Auto axes")
+    else:
+        return
+    try:
+        name = _traced_op(lambda *a: fn(*a, **extra), args)[1]
+    except Exception:  # the op's own checks fail on these operands: they report it when it runs
+        name = None
+    raise ValueError(f"jaxbwd.{name or f'op with layout {signature!r}'}: {why}")
 
 
 def _axes(entry) -> tuple:
@@ -510,7 +524,7 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
         with operands_mesh(*args):
             return partitioned(signature, fn, *args, axes_of=axes_of)
     extra = lambda letters: _axes_kw(axes_of, letters.get(axes_of, ()))  # noqa: E731
-    _refuse_mixed_mesh(signature, fn, args, extra({}))
+    _refuse_unpartitionable(signature, fn, args, extra({}))
     args, vma = vary_together(args)  # inside a user's vma-checked shard_map
     layout = _layout(signature, args)
     if layout is None:
@@ -596,8 +610,7 @@ def whole(fn: Callable, *args) -> Any:
 def _custom_partitioned(args) -> bool:
     """Under an Auto-axes mesh: whether the op goes through custom_partitioning (static
     shapes, and not switched off in ``config``)."""
-    static = all(isinstance(d, int) for a in args if a is not None for d in a.shape)
-    return static and config.custom_partitioning()
+    return _static(args) and config.custom_partitioning()
 
 
 def _auto_mesh():

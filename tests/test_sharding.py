@@ -452,6 +452,32 @@ def test_mixed_meshes_refused_and_operand_meshes_used():
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7, err_msg=reduction)
 
 
+def test_symbolic_shapes_sharded_on_an_explicit_mesh_are_refused_by_name():
+    """JAX exports such a module but cannot call it (plain jnp: "Error refining shapes"; an
+    op's shard_map crashed the process): refused while exporting, naming the op. Replicated
+    operands still export."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import jaxbwd
+
+    if not hasattr(jax, "set_mesh"):
+        pytest.skip("jax.set_mesh absent in this jax")
+    mesh = jax.make_mesh((1,), ("a",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    b, = export.symbolic_shape("b")
+    with jax.set_mesh(mesh):
+        w = jax.ShapeDtypeStruct((16,), jnp.float32, sharding=NamedSharding(mesh, P()))
+        for spec, fn in ((P("a"), jaxbwd.rms_norm), (P("a"), lambda x, w: jaxbwd.softmax(x) * w)):
+            x = jax.ShapeDtypeStruct((b, 16), jnp.float32, sharding=NamedSharding(mesh, spec))
+            with pytest.raises(ValueError, match=r"jaxbwd\.(rms_norm|softmax): got an operand sharded on an "
+                                                 r"explicit mesh with symbolic shapes"):
+                export.export(jax.jit(fn))(x, w)
+        x = jax.ShapeDtypeStruct((b, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+        export.export(jax.jit(jaxbwd.rms_norm))(x, w)
+
+
 # ------------------------------------------------ inside a user's vma-checked shard_map
 def _user_shard_map_cases(jnp, jax):
     """(name, fn(x, *weights), x [2, ...] (split over the manual axis), weights (replicated))."""
