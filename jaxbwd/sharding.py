@@ -511,8 +511,8 @@ def partitioned(signature: str, fn: Callable, *args, axes_of: Optional[str] = No
 
     Raises:
       ValueError: a malformed signature, an operand whose rank the signature cannot take,
-        or a sharded operand on a mesh mixing Explicit and Auto axes (naming the op);
-        ``fn``'s own errors otherwise.
+        a sharded operand on a mesh mixing Explicit and Auto axes, or one with symbolic
+        shapes on an explicit mesh (these two naming the op); ``fn``'s own errors otherwise.
     """
     if _auto_mesh() is not None:
         if _custom_partitioned(args):
