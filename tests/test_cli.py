@@ -488,10 +488,11 @@ sys.exit(cli.main(["compile", "--ops", "silu", "--dtype", "f32", "--jobs", "2"])
 
 def _interrupt(tmp_path, cmd, env, signum, ready):
     """Runs ``cmd``, sends it ``signum`` once ``ready(its Popen)``; its exit code and stderr."""
+    import signal
     import subprocess
     import time
 
-    env = {**os.environ, **env, "TMPDIR": str(tmp_path / "tmp"),
+    env = {**os.environ, **env, "TMPDIR": str(tmp_path / "tmp"), "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -500,7 +501,13 @@ def _interrupt(tmp_path, cmd, env, signum, ready):
             time.sleep(0.2)
         assert ready(proc), "the compile did not get going"
         proc.send_signal(signum)  # to the parent only: it must take its workers down itself
-        return proc.wait(timeout=60), proc.stderr.read()
+        try:  # stderr read while waiting: a full pipe must not stall the child
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # SIGABRT: faulthandler prints every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"still running 120 s after the signal; its threads:\n{err[-8000:]}")
+        return proc.returncode, err
     finally:
         if proc.poll() is None:
             proc.kill()
