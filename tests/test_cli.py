@@ -478,7 +478,11 @@ def test_case_timer_starts_when_its_worker_is_ready_and_killed_workers_leave_no_
 
 DRIVER = '''
 import signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if started ignoring it
+# As started from a terminal, even if the test run itself ignores these (pytest under nohup
+# passes an ignored SIGHUP on, which compile rightly keeps ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from jaxbwd import __main__ as cli, deviceless
 deviceless.WORKER_CMD = [sys.executable, sys.argv[1]]
 deviceless.missing_requirements = lambda: []
