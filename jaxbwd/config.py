@@ -276,7 +276,8 @@ def resolve(implementation: Optional[str], op: str) -> str:
 
 def pallas_backend() -> str:
     """The Pallas backend the settings ask for (``"triton"`` or ``"mosaic"``), before the
-    per-op table is consulted (see :func:`resolve_pallas_backend`). Raises ValueError for a malformed ``JAXBWD_*`` variable (read at the first call)."""
+    per-op table is consulted (see :func:`resolve_pallas_backend`). Raises ValueError for a
+    malformed ``JAXBWD_*`` variable (read at the first call)."""
     return _current().pallas_backend
 
 
