@@ -100,6 +100,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxbwd import config
+from jaxbwd.vjp._base import is_static_shape
 
 __all__ = ["partitioned", "whole", "per_shard", "plan", "check_signature", "spec", "matmul_out_spec",
            "replicated_cotangent", "vary_together", "vary_like", "operands_mesh"]
@@ -272,7 +273,7 @@ def _traced_op(fn: Callable, args):
 
 
 def _static(args) -> bool:
-    return all(isinstance(d, int) for a in args if a is not None for d in a.shape)
+    return all(is_static_shape(a.shape) for a in args if a is not None)
 
 
 def _refuse_unpartitionable(signature, fn, args, extra):
