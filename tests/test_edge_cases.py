@@ -127,6 +127,36 @@ def test_layer_norm_of_constant_rows_is_exactly_the_bias(impl, eps):
     chex.assert_tree_all_finite(g)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_group_norm_of_constant_groups_is_exactly_the_bias(impl, activation):
+    # Group 0 of sample 0 is all 3.0, group 1 all -7.5: jnp.mean's rounding of such a group
+    # over 1000 elements left the output 3e-4 off the bias at eps 1e-5.
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 20, 25, 4), f32)
+    x = x.at[0, ..., :2].set(3.0).at[0, ..., 2:].set(-7.5)
+    w, b = jnp.array([0.5, 1.0, 1.5, 2.0]), jnp.array([-1.0, 0.25, 0.5, 1.0])
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y = jaxbwd.group_norm(x, w, b, num_groups=2, eps=1e-5, activation=activation)
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(jaxbwd.group_norm(x, w, b, num_groups=2, activation=activation))))(x)
+    want = b if activation is None else jax.nn.silu(b)
+    chex.assert_trees_all_equal(y[0], jnp.broadcast_to(want, y[0].shape))
+    chex.assert_tree_all_finite(g)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_layer_norm_of_a_row_near_the_f32_maximum_is_finite(impl):
+    # The first element shifts the statistics; the differences of [3e38, 0, 0, 0] sum to
+    # -9e38, past the f32 maximum, so the mean is summed from differences already divided by D.
+    x = jnp.array([[3e38, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], f32)
+    w, b = jnp.ones(4), jnp.arange(4.0)
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y = jaxbwd.layer_norm(x, w, b)
+        g = jax.grad(lambda x: jnp.sum(jaxbwd.layer_norm(x, w, b) * b))(x)
+    chex.assert_trees_all_equal(y[0], b)  # the variance overflows: rstd = 0, as flax's LayerNorm gives
+    chex.assert_trees_all_close(y[1], (x[1] - 2.5) / jnp.sqrt(1.25 + 1e-5) + b, rtol=1e-6)
+    chex.assert_tree_all_finite(g)
+
+
 def test_row_slice_python_int_start_is_range_checked_array_start_clamps_as_under_jit():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
         jaxbwd.row_slice(jnp.ones((4, 3)), 3, 2)

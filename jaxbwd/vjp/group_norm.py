@@ -29,8 +29,7 @@ def _grouped(x, G):
 
 def _stats(x, G, eps):
     xf = _grouped(x, G).astype(B.acc_dtype(x))
-    mean = jnp.mean(xf, axis=(1, 3))
-    var = jnp.mean(jnp.square(xf - mean[:, None, :, None]), axis=(1, 3))
+    mean, var = B.centered_stats(xf, (1, 3))
     return mean, jax.lax.rsqrt(var + eps)
 
 
@@ -125,6 +124,9 @@ def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None, implem
 
     Residuals: x, weight, bias and mean, rstd [N, num_groups] float32 (x_hat and the
     sigmoid are recomputed in the backward).
+
+    Numerics: as :func:`jaxbwd.layer_norm`'s, per (sample, group): a constant group gives
+    exactly ``bias`` (then SiLU) at any eps.
 
     Raises:
       TypeError: x, weight or bias not floating; num_groups not an int; eps traced.

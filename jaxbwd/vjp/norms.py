@@ -21,15 +21,7 @@ from jaxbwd import sharding as S
 def _stats(x2, eps, centered):
     xf = x2.astype(B.acc_dtype(x2))
     if centered:
-        # Shifted by each row's first element: a constant row has mean exactly that value
-        # and variance 0 (jnp.mean alone rounds 3.0 to 3.0000002 over 1000 columns, which at
-        # eps=1e-12 turns the zero output into -0.2), and a row's large offset leaves the
-        # variance (the differences are exact); the mean itself is still rounded to f32.
-        shift = xf[:, :1]
-        d = xf - shift
-        dmean = jnp.mean(d, axis=-1)
-        mean = shift[:, 0] + dmean
-        var = jnp.mean(jnp.square(d - dmean[:, None]), axis=-1)
+        mean, var = B.centered_stats(xf, (-1,))
     else:
         mean = None
         var = jnp.mean(jnp.square(xf), axis=-1)
@@ -187,6 +179,11 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
       [..., D] in x's dtype; statistics in float32.
 
     Residuals: x, weight, mean and rstd [rows] float32 (the normalised x is recomputed).
+
+    Numerics: mean and variance in two passes over ``x`` minus the row's first element, so a
+    constant row gives exactly ``bias`` at any eps. As in flax, a row whose values differ by
+    more than ~1.8e19 overflows the variance (output ``bias``); a row mixing signs beyond
+    ±1.7e38 gives NaN.
 
     Raises:
       TypeError: x, weight or bias not floating; eps traced.
