@@ -569,3 +569,29 @@ def test_8_bit_floats_are_refused_by_name(dtype):
             bad[i] = bad[i].astype(dtype)
             with pytest.raises(TypeError, match=rf"^jaxbwd\.{spec.name}: .*got {dtype}"):
                 spec.fn(*bad, **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_group_norm_with_empty_groups_returns_an_empty_array(impl):
+    # Empty spatial axes or C = 0: a zero-size result, as flax's GroupNorm gives (not a
+    # division by zero in the statistics).
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        for shape, C, G in [((2, 0, 6), 6, 2), ((2, 3, 0), 0, 1), ((1, 0, 4, 4), 4, 2)]:
+            x, w = jnp.ones(shape, f32), jnp.ones((C,), f32)
+            chex.assert_shape(jaxbwd.group_norm(x, w, w, num_groups=G), shape)
+            g = jax.grad(lambda x: jnp.sum(jaxbwd.group_norm(x, w, w, num_groups=G)))(x)  # noqa: B023
+            chex.assert_shape(g, shape)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_cross_entropy_of_zero_rows_with_where_or_axis_is_zero(impl):
+    # The mean over no rows is 0.0 with or without where/axis (the flattening spelled -1,
+    # which cannot be inferred for a zero-size array).
+    labels = jnp.zeros((0,), jnp.int32)
+    cases = [(jnp.ones((0, 3)), dict(where=jnp.ones((0,), bool))), (jnp.ones((0, 3)), dict(where=jnp.ones((0, 3), bool))),
+             (jnp.ones((3, 0)), dict(axis=0)), (jnp.ones((0, 2, 3)), dict(axis=(1, 2)))]
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        for logits, kw in cases:
+            assert float(jaxbwd.cross_entropy(logits, labels, **kw)) == 0.0
+            g = jax.grad(lambda x: jaxbwd.cross_entropy(x, labels, **kw))(logits)  # noqa: B023
+            chex.assert_shape(g, logits.shape)

@@ -328,6 +328,8 @@ def centered_stats(xf, axes: Sequence[int]):
     [3e38, 0, 0, 0] do not sum past the f32 maximum. The mean itself is one f32 rounding.
     """
     axes = tuple(a % xf.ndim for a in axes)
+    if any(xf.shape[a] == 0 for a in axes):  # empty slices: NaN statistics, a zero-size output follows
+        return jnp.mean(xf, axis=axes), jnp.mean(xf, axis=axes)
     shift = xf[tuple(slice(0, 1) if a in axes else slice(None) for a in range(xf.ndim))]
     d = xf - shift
     dmean = jnp.sum(d * (1.0 / math.prod(xf.shape[a] for a in axes)), axis=axes, keepdims=True)

@@ -26,6 +26,7 @@ vocabulary shard and the [rows] partials are combined with one ``pmax`` and two
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +236,8 @@ def _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing
 
     def last(x):
         x = x if perm == tuple(range(x.ndim)) else jnp.transpose(x, perm)
-        return x.reshape(x.shape[:len(rest)] + (-1,))
+        # The class size spelled out: a -1 cannot be inferred for zero rows.
+        return x.reshape(x.shape[:len(rest)] + (math.prod(x.shape[len(rest):]),))
 
     if where is not None:
         B.check_array(op, "where", where)
