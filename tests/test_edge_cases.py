@@ -595,3 +595,12 @@ def test_cross_entropy_of_zero_rows_with_where_or_axis_is_zero(impl):
             assert float(jaxbwd.cross_entropy(logits, labels, **kw)) == 0.0
             g = jax.grad(lambda x: jaxbwd.cross_entropy(x, labels, **kw))(logits)  # noqa: B023
             chex.assert_shape(g, logits.shape)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_softmax_of_a_row_with_plus_inf_is_nan_as_jax_nn(impl):
+    # Was [0, nan, 0]: the +inf max was replaced by 0 as a -inf one is, hiding the bad row.
+    x = jnp.array([[1.0, jnp.inf, 2.0], [1.0, jnp.nan, 2.0], [-jnp.inf, -jnp.inf, -jnp.inf], [1.0, 2.0, 3.0]], f32)
+    y = jaxbwd.softmax(x, implementation=impl)
+    assert bool(jnp.all(jnp.isnan(y[:2])))  # jax.nn.softmax's rows; an all -inf row is 0 (documented)
+    chex.assert_trees_all_close(y[2:], jnp.stack([jnp.zeros(3), jax.nn.softmax(x[3])]), rtol=1e-6)

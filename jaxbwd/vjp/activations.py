@@ -453,8 +453,9 @@ def _axis(op, x, axis) -> int:
 def _softmax(x, axis, impl):
     xf = _cf(x)
     m = jnp.max(xf, axis=axis, keepdims=True)
-    # A fully -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
-    e = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0))
+    # A fully -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN. A +inf
+    # (or NaN) max stays the shift, so such a row is all NaN, as jax.nn.softmax gives.
+    e = jnp.exp(xf - jnp.where(m == -jnp.inf, 0.0, m))
     s = jnp.sum(e, axis=axis, keepdims=True)
     return (e / jnp.where(s == 0, 1.0, s)).astype(x.dtype)
 
@@ -489,7 +490,8 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
 
     Args:
       x: [...] float32, bfloat16 or float16 (float64 on the XLA path), rank >= 1. ``-inf`` entries are masked out;
-        a slice that is entirely ``-inf`` gives zeros (not NaN) and zero gradients.
+        a slice that is entirely ``-inf`` gives zeros (not NaN) and zero gradients; a slice
+        with a ``+inf`` or NaN entry is all NaN, as ``jax.nn.softmax`` gives.
       axis: an int in ``[-x.ndim, x.ndim)``, a tuple of them (the softmax is taken over
         their joint entries), or ``None`` (all axes), as ``jax.nn.softmax``.
       where: ``None`` or a boolean array broadcastable to x: the entries taking part. As
