@@ -874,3 +874,15 @@ def test_nnx_multi_head_attention_matches_flax(kw, call, impl):
     graphdef, state = nnx.split(ours)
     # Without a dense mask the flash op (a custom_vjp) runs; a dense mask takes its XLA path.
     assert _uses_jaxbwd(lambda s, x: nnx.merge(graphdef, s)(x, **extra), state, x) == (call != "mask")
+
+
+def test_norm_modules_with_zero_features_return_flax_empty_result():
+    # A last axis of size 0 runs flax's code, as flax returns the empty array (the ops refuse
+    # an empty reduction axis).
+    x = jnp.ones((2, 0))
+    for mine, theirs in [(jnn.LayerNorm(), fnn.LayerNorm()), (jnn.RMSNorm(), fnn.RMSNorm())]:
+        got, params = mine.init_with_output(jax.random.PRNGKey(0), x)
+        want, fparams = theirs.init_with_output(jax.random.PRNGKey(0), x)
+        chex.assert_trees_all_equal_shapes_and_dtypes((got, params), (want, fparams))
+    for mine, theirs in [(jnnx.LayerNorm, nnx.LayerNorm), (jnnx.RMSNorm, nnx.RMSNorm)]:
+        chex.assert_trees_all_equal_shapes_and_dtypes(mine(0, rngs=nnx.Rngs(0))(x), theirs(0, rngs=nnx.Rngs(0))(x))

@@ -40,9 +40,10 @@ def plain_stats(mod, mask) -> bool:
 
 def last_axis_stats(mod, x, mask, *dtypes) -> bool:
     """RMSNorm / LayerNorm on the kernel path: :func:`plain_stats` over the last axis of x,
-    and x and ``dtypes`` (the module's dtypes or parameters) real."""
+    and x and ``dtypes`` (the module's dtypes or parameters) real. A last axis of size 0 runs
+    flax's code, which returns the empty array (the op refuses an empty reduction axis)."""
     return (plain_stats(mod, mask) and last_axis_only(x.ndim, mod.reduction_axes, mod.feature_axes)
-            and takes_dtypes(x, *dtypes))
+            and x.shape[-1] > 0 and takes_dtypes(x, *dtypes))
 
 
 def refuse_weight_offset(module: str, mod, x, mask) -> None:
@@ -50,7 +51,7 @@ def refuse_weight_offset(module: str, mod, x, mask) -> None:
     naming the configuration that left it."""
     raise ValueError(
         f"jaxbwd.{module}: weight_offset needs the kernel path (reduction_axes and feature_axes the last "
-        f"axis, no mask or axis_name, epsilon > 0, force_float32_reductions=True, real dtypes), got "
+        f"axis, of size > 0, no mask or axis_name, epsilon > 0, force_float32_reductions=True, real dtypes), got "
         f"reduction_axes={mod.reduction_axes!r}, feature_axes={mod.feature_axes!r}, mask "
         f"{'given' if mask is not None else 'None'}, axis_name={mod.axis_name!r}, epsilon={mod.epsilon!r}, "
         f"force_float32_reductions={getattr(mod, 'force_float32_reductions', True)!r}, x {jnp.result_type(x)}"

@@ -39,7 +39,7 @@ class RMSNorm(_Impl, fnn.RMSNorm):
     """``flax.linen.RMSNorm`` (all its arguments); param ``scale`` [D].
 
     Kernel path (:func:`jaxbwd.rms_norm`): ``reduction_axes`` and ``feature_axes`` both the
-    last axis, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``,
+    last axis, of size > 0, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``,
     ``epsilon > 0``; ``use_scale=False`` runs with a unit weight. ``use_fast_variance`` has
     no effect on RMSNorm (no mean is subtracted). Any other configuration runs flax's code.
     dtype: the kernel runs in the wider of (x, scale) and ``dtype`` and returns ``dtype``
@@ -69,7 +69,7 @@ class LayerNorm(_Impl, fnn.LayerNorm):
     """``flax.linen.LayerNorm`` (all its arguments); params ``scale`` and ``bias`` [D].
 
     Kernel path (:func:`jaxbwd.layer_norm`): ``reduction_axes`` and ``feature_axes`` the last
-    axis, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``, ``epsilon > 0``;
+    axis, of size > 0, no ``axis_name``, no ``mask``, ``force_float32_reductions=True``, ``epsilon > 0``;
     ``use_scale``/``use_bias=False`` run with a unit weight / zero bias. ``use_fast_variance``:
     both settings take the kernel, which always computes the variance in two passes over a
     float32 row (flax's slow, accurate form; the fast form is a cheaper formula for the same
