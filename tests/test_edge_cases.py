@@ -242,6 +242,21 @@ def test_row_kernels_past_int32_are_a_clear_error(op, what, fn, args):
             jax.eval_shape(jax.grad(fn), *args)
 
 
+@pytest.mark.parametrize("op,what,fn,args", [
+    ("cross_entropy", "classes", lambda x, y: jaxbwd.cross_entropy(x, y, label_smoothing=0.1),
+     (_S((1, _BIG), _BF), _S((1,), jnp.int32))),
+    ("embed", "num_embeddings", lambda t: jnp.sum(jaxbwd.embed(jnp.zeros(2, jnp.int32), t)), (_S((_BIG + 8, 2), _BF),)),
+])
+def test_xla_gathers_past_int32_are_a_clear_error(op, what, fn, args):
+    """The XLA path's gathers along an axis past int32 overflow inside JAX while x64 is off
+    (traced only): the same named ValueError as the kernels'; with x64 on they trace."""
+    with jaxbwd.config.use(implementation="xla"):
+        with pytest.raises(ValueError, match=rf"jaxbwd\.{op}: {what} = \d+ exceeds JAX's int32 index range"):
+            jax.eval_shape(jax.grad(fn), *args)
+        with jax.enable_x64(True):
+            assert jax.eval_shape(jax.grad(fn), *args).shape == args[0].shape
+
+
 # ------------------------------------------- index arrays narrower than the sizes they index
 
 

@@ -103,12 +103,19 @@ def row_tiling(n_rows: int, n_cols: int, *, max_tile: int = MAX_TILE, max_block_
 MAX_DIM = 2**31 - 1
 
 
-def check_index_range(op: str, **dims: int) -> None:
+def check_index_range(op: str, *, by: str = "the kernels'", **dims: int) -> None:
     """Raises ValueError naming ``op`` if a dimension a kernel indexes exceeds int32."""
     for name, d in dims.items():
         if d > MAX_DIM:
-            raise ValueError(f"jaxbwd.{op}: {name} = {d} exceeds the kernels' int32 index range "
+            raise ValueError(f"jaxbwd.{op}: {name} = {d} exceeds {by} int32 index range "
                              f"(at most {MAX_DIM}); split the input")
+
+
+def check_gather_range(op: str, **dims: int) -> None:
+    """``check_index_range`` for an XLA-path gather (``jnp.take``) along each of ``dims``:
+    while x64 is off JAX indexes in int32 and overflows inside its gather past 2**31 - 1."""
+    if not jax.config.jax_enable_x64:
+        check_index_range(op, by="JAX's", **dims)
 
 
 def as_2d(op: str, shape: Sequence[int]) -> tuple[int, int]:

@@ -32,6 +32,7 @@ def _keys(ids, V, padding_idx):
 
 def _lookup(ids, table):
     V = table.shape[0]
+    kernels.C.check_gather_range("embed", num_embeddings=V)
     valid = (ids >= 0) & (ids < V)
     rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
     return jnp.where(valid[..., None], rows, jnp.zeros((), table.dtype))

@@ -74,6 +74,7 @@ def _row_weight(lab, reduction, acc):
 
 def _xla_partials(x2, lab, with_sum, V):
     """The kernel's partials in XLA: row max m, s = sum(exp(x - m)), label logit, sum(x / V)."""
+    kernels.C.check_gather_range("cross_entropy", classes=x2.shape[-1])
     xf = x2.astype(B.acc_dtype(x2))
     m = jnp.max(xf, axis=-1)
     s = jnp.sum(jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]), axis=-1)
