@@ -36,10 +36,11 @@ def layer_norm(x, weight, bias, *, eps=1e-5):
 
 def softmax(x, *, axis=-1, where=None):
     """Reference softmax over ``axis`` (int, tuple or None) as jax.nn.softmax; entries outside
-    ``where`` and slices that are entirely -inf give zeros (not NaN)."""
+    ``where`` and slices that are entirely -inf give zeros (not NaN), a slice with a +inf or
+    NaN entry is all NaN."""
     xf = _f32(x) if where is None else jnp.where(where, _f32(x), -jnp.inf)
     m = jnp.max(xf, axis=axis, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
     e = jnp.exp(xf - jax.lax.stop_gradient(m))
     s = jnp.sum(e, axis=axis, keepdims=True)
     return (e / jnp.where(s == 0, 1.0, s)).astype(x.dtype)

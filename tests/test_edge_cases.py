@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxbwd
+from jaxbwd import reference
 
 f32, i32 = jnp.float32, jnp.int32
 
@@ -145,8 +146,8 @@ def test_group_norm_of_constant_groups_is_exactly_the_bias(impl, activation):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_layer_norm_of_a_row_near_the_f32_maximum_is_finite(impl):
-    # The first element shifts the statistics; the differences of [3e38, 0, 0, 0] sum to
-    # -9e38, past the f32 maximum, so the mean is summed from differences already divided by D.
+    # The statistics sum elements already divided by D: summed first, [3e38, 3e38, ...]
+    # passes the f32 maximum; its variance overflows and c**2 <= mean(d**2) keeps it inf.
     x = jnp.array([[3e38, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], f32)
     w, b = jnp.ones(4), jnp.arange(4.0)
     with jaxbwd.config.use(implementation=impl, interpret=True):
@@ -155,6 +156,43 @@ def test_layer_norm_of_a_row_near_the_f32_maximum_is_finite(impl):
     chex.assert_trees_all_equal(y[0], b)  # the variance overflows: rstd = 0, as flax's LayerNorm gives
     chex.assert_trees_all_close(y[1], (x[1] - 2.5) / jnp.sqrt(1.25 + 1e-5) + b, rtol=1e-6)
     chex.assert_tree_all_finite(g)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_layer_norm_rows_mixing_signs_near_the_f32_maximum_give_the_bias(impl):
+    # Values 3.4e38 apart: the variance overflows (rstd = 0) but the mean does not.
+    x = jnp.array([[3e38, 3e38, -3e38, -3e38], [1.7e38, -1.7e38, 0.0, 0.0]], f32)
+    w, b = jnp.ones(4), jnp.arange(4.0)
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y = jaxbwd.layer_norm(x, w, b)
+        g = jax.grad(lambda x: jnp.sum(jaxbwd.layer_norm(x, w, b) * b))(x)
+    chex.assert_trees_all_equal(y, jnp.broadcast_to(b, y.shape))
+    chex.assert_tree_all_finite(g)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+@pytest.mark.parametrize("where", [0, 5])
+def test_norm_statistics_with_an_outlier_are_f32_accurate(op, where):
+    # A massive activation in one feature (at the slice's first element or elsewhere) among
+    # values near 1: the output stays within a few f32 roundings of float64, as flax's
+    # two-pass statistics do (a mean shifted by the first element lost 100x here).
+    rng = np.random.default_rng(0)
+    x = (1.0 + 1e-2 * rng.standard_normal((4, 64, 8))).astype(np.float32)
+    x[:, where, :] = 1e3
+    w, b = jnp.ones(8), jnp.zeros(8)
+    if op == "layer_norm":
+        x = x.reshape(4, 512)
+        y = jaxbwd.layer_norm(jnp.asarray(x), jnp.ones(512), jnp.zeros(512), implementation="xla")
+        x64 = x.astype(np.float64)
+        m = x64.mean(-1, keepdims=True)
+        want = (x64 - m) / np.sqrt(((x64 - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+    else:
+        y = jaxbwd.group_norm(jnp.asarray(x), w, b, num_groups=2, implementation="xla")
+        xg = x.reshape(4, 64, 2, 4).astype(np.float64)
+        m = xg.mean((1, 3), keepdims=True)
+        want = ((xg - m) / np.sqrt(((xg - m) ** 2).mean((1, 3), keepdims=True) + 1e-5)).reshape(x.shape)
+    rel = np.abs(np.asarray(y, np.float64) - want) / np.abs(want)
+    assert rel[np.abs(x) < 100].max() < 2e-6, rel[np.abs(x) < 100].max()
 
 
 def test_row_slice_python_int_start_is_range_checked_array_start_clamps_as_under_jit():
@@ -616,6 +654,12 @@ def test_cross_entropy_of_zero_rows_with_where_or_axis_is_zero(impl):
 def test_softmax_of_a_row_with_plus_inf_is_nan_as_jax_nn(impl):
     # Was [0, nan, 0]: the +inf max was replaced by 0 as a -inf one is, hiding the bad row.
     x = jnp.array([[1.0, jnp.inf, 2.0], [1.0, jnp.nan, 2.0], [-jnp.inf, -jnp.inf, -jnp.inf], [1.0, 2.0, 3.0]], f32)
-    y = jaxbwd.softmax(x, implementation=impl)
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y = jaxbwd.softmax(x)
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(jaxbwd.softmax(x))))(x)  # the kernel under "pallas"
     assert bool(jnp.all(jnp.isnan(y[:2])))  # jax.nn.softmax's rows; an all -inf row is 0 (documented)
     chex.assert_trees_all_close(y[2:], jnp.stack([jnp.zeros(3), jax.nn.softmax(x[3])]), rtol=1e-6)
+    chex.assert_trees_all_close(y, reference.softmax(x), rtol=1e-6)  # NaN where NaN
+    assert bool(jnp.all(jnp.isnan(g[:2])))
+    g_nn = jax.grad(lambda x: jnp.sum(jnp.sin(jax.nn.softmax(x))))(x)
+    chex.assert_trees_all_close(g[2:], jnp.stack([jnp.zeros(3), g_nn[3]]), rtol=1e-6)

@@ -496,7 +496,8 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
         their joint entries), or ``None`` (all axes), as ``jax.nn.softmax``.
       where: ``None`` or a boolean array broadcastable to x: the entries taking part. As
         ``jax.nn.softmax``, the others give 0 with zero gradient, and a slice with no entry
-        taking part gives zeros.
+        taking part gives zeros; in a slice made NaN by a +inf or NaN entry taking part they
+        are NaN too (``jax.nn.softmax`` keeps their 0).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"pallas"`` or ``"xla"``.
 
     Returns:

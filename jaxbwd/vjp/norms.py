@@ -180,10 +180,12 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
 
     Residuals: x, weight, mean and rstd [rows] float32 (the normalised x is recomputed).
 
-    Numerics: mean and variance in two passes over ``x`` minus the row's first element, so a
-    constant row gives exactly ``bias`` at any eps. As with flax's
-    ``LayerNorm(use_fast_variance=False)``, a row whose values differ by more than ~1.8e19
-    overflows the variance (output ``bias``); a row mixing signs beyond ±1.7e38 gives NaN.
+    Numerics: mean and variance by the corrected two-pass algorithm
+    (``_base.centered_stats``), so a constant row gives exactly ``bias`` at any eps and a
+    large offset or an outlier costs no more than f32 rounding. A row whose values differ by
+    more than ~1.8e19 overflows the variance (output ``bias``, as flax's
+    ``LayerNorm(use_fast_variance=False)`` gives); one whose values differ by more than the
+    f32 maximum gives NaN.
 
     Raises:
       TypeError: x, weight or bias not floating; eps traced.
