@@ -195,6 +195,22 @@ def test_norm_statistics_with_an_outlier_are_f32_accurate(op, where):
     assert rel[np.abs(x) < 100].max() < 2e-6, rel[np.abs(x) < 100].max()
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_batch_norm_of_a_constant_channel_is_exactly_the_bias(impl):
+    # Channel 0 is 3.0 over 1000 rows: jnp.mean gives 3.0000002, which at eps 1e-12 left the
+    # output 0.24 off the bias.
+    x = jax.random.normal(jax.random.PRNGKey(0), (10, 100, 2), f32).at[..., 0].set(3.0)
+    w, b = jnp.array([2.0, 1.0]), jnp.array([-1.0, 0.5])
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        y, stats = jaxbwd.batch_norm(x, w, b, running_mean=jnp.zeros(2), running_var=jnp.ones(2), momentum=0.0,
+                                     eps=1e-12)
+        g = jax.grad(lambda x: jnp.sum(jnp.sin(jaxbwd.batch_norm(x, w, b, eps=1e-12))))(x)
+    chex.assert_trees_all_equal(y[..., 0], jnp.full((10, 100), -1.0))
+    chex.assert_trees_all_equal(stats["mean"][0], jnp.float32(3.0))
+    assert 0.0 <= float(stats["var"][0]) < 1e-12  # msq - c**2: rounding of the tiny d = 3 - m0
+    chex.assert_tree_all_finite(g)
+
+
 def test_row_slice_python_int_start_is_range_checked_array_start_clamps_as_under_jit():
     with pytest.raises(ValueError, match=r"row_slice: start must be in \[0, 2\] for size=2, got 3"):
         jaxbwd.row_slice(jnp.ones((4, 3)), 3, 2)

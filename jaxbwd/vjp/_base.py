@@ -317,28 +317,32 @@ def acc_dtype(*xs):
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
-def centered_stats(xf, axes: Sequence[int]):
+def centered_stats(xf, axes: Sequence[int], combine=None):
     """Mean and biased variance of ``xf`` over ``axes`` (the reduced axes removed), by the
     corrected two-pass algorithm: a first mean ``m0``, then in one pass over ``d = xf - m0``
     the correction ``c = mean(d)`` and ``mean(d**2)``; mean ``m0 + c``, variance
     ``mean(d**2) - c**2`` (Chan, Golub & LeVeque 1983, "Algorithms for computing the sample
     variance", eq. 1.7).
 
-    ``c`` removes ``m0``'s rounding: a constant slice's mean is exactly its value and its
-    variance 0 (``jnp.mean`` alone gives 3.0000002 for 1000 threes, which at a small eps is
-    an output of -0.2 where 0 is due), a large common offset cancels exactly in ``d``, and
+    ``c`` removes ``m0``'s rounding: a constant slice's mean is exactly its value (so
+    ``x - mean`` is exactly 0; the variance is 0 within the rounding of ``d``'s tiny values,
+    e.g. 1e-19) where ``jnp.mean`` alone gives 3.0000002 for 1000 threes, which at a small eps
+    is an output of -0.2 where 0 is due; a large common offset cancels exactly in ``d``, and
     an outlier anywhere in the slice costs no more than f32 rounding. Each element is
     divided by the count before the sums, so a slice like [3e38, 0, 0, 0] does not sum past
     the f32 maximum (its variance overflows to inf: the output is the bias).
+
+    ``combine`` (e.g. a ``lax.pmean`` over devices holding equal shares) averages the per-slice
+    means ``m0`` and then ``(c, mean(d**2))`` across slices held elsewhere: two collectives.
     """
     axes = tuple(a % xf.ndim for a in axes)
     if any(xf.shape[a] == 0 for a in axes):  # empty slices: NaN statistics, a zero-size output follows
         return jnp.mean(xf, axis=axes), jnp.mean(xf, axis=axes)
     inv_n = 1.0 / math.prod(xf.shape[a] for a in axes)
-    m0 = jnp.sum(xf * inv_n, axis=axes, keepdims=True)
+    combine = combine or (lambda v: v)
+    m0 = combine(jnp.sum(xf * inv_n, axis=axes, keepdims=True))
     d = xf - m0
-    c = jnp.sum(d * inv_n, axis=axes, keepdims=True)
-    msq = jnp.mean(jnp.square(d), axis=axes)
+    c, msq = combine((jnp.sum(d * inv_n, axis=axes, keepdims=True), jnp.mean(jnp.square(d), axis=axes)))
     # c**2 <= mean(d**2): where the latter overflows the variance is inf, not inf - inf.
     var = jnp.where(jnp.isinf(msq), msq, jnp.maximum(msq - jnp.square(jnp.squeeze(c, axis=axes)), 0.0))
     return jnp.squeeze(m0 + c, axis=axes), var

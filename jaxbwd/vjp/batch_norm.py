@@ -1,7 +1,7 @@
 """batch_norm: batch statistics over every axis but the channel axis, running statistics as flax.
 
 Forward (XLA): per-channel f32 mean and variance over the rows of x viewed as [R, C]
-(two passes; ``lax.pmean`` over ``axis_name`` for data-parallel statistics, as flax's
+(corrected two-pass; ``lax.pmean`` over ``axis_name`` for data-parallel statistics, as flax's
 ``BatchNorm(axis_name=...)``), ``y = (x - mean) * rstd * weight + bias``. The running
 statistics are updated from the same batch statistics (the same reduction, outside the
 op; under jit XLA computes it once). Saved for the backward: x, weight (aliases) and f32 mean/rstd [C].
@@ -32,11 +32,9 @@ def _pmean(v, axis_name):
 
 
 def batch_stats(x2, axis_name=None):
-    """Per-channel mean and biased variance of x2 [R, C], f32 (two passes), over devices too."""
-    xf = _cf(x2)
-    mean = _pmean(jnp.mean(xf, axis=0), axis_name)
-    var = _pmean(jnp.mean(jnp.square(xf - mean), axis=0), axis_name)
-    return mean, var
+    """Per-channel mean and biased variance of x2 [R, C], f32, over devices too (the corrected
+    two-pass statistics of ``_base.centered_stats``: a constant channel is exact)."""
+    return B.centered_stats(_cf(x2), (0,), functools.partial(_pmean, axis_name=axis_name))
 
 
 def _stats_rstd(x, eps, axis_name):
