@@ -369,6 +369,27 @@ def test_jacfwd_and_vmap_of_jvp(spec, ex, impl, dt):
     _close(vj, jnp.stack([jax.jvp(f32, diff32, tuple(t[i] for t in tb))[1] for i in range(2)]), TOL[dt])
 
 
+@pytestmark_fwd
+@pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
+def test_nested_forward_mode(spec, ex, impl, dt):
+    """Forward mode nested in itself and in vmaps: jacfwd of jacfwd, jvp under two vmaps
+    (the op's inputs batched twice), and linearize of a function in which the op's inputs
+    are constants (its tangent is a symbolic zero)."""
+    f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
+    out = jax.eval_shape(f, *diff)
+    loss, loss32 = (_scalar_loss(h, out) for h in (f, f32))
+    g, g32 = _subspace(loss, diff), _subspace(loss32, diff32)
+    c0 = jnp.zeros((3,), jnp.float32)
+    _close(jax.jacfwd(jax.jacfwd(g))(c0), jax.jacrev(jax.jacrev(g32))(c0), 1e-4)
+    cs = 0.1 * jax.random.normal(jax.random.PRNGKey(6), (2, 2, 3))
+    us = jax.random.normal(jax.random.PRNGKey(7), (2, 2, 3))
+    jvp2 = lambda h: jax.vmap(jax.vmap(lambda c, u: jax.jvp(h, (c,), (u,))[1]))  # noqa: E731
+    _close(jvp2(_subspace(f, diff))(cs, us), jvp2(_subspace(f32, diff32))(cs, us), TOL[dt])
+    z = jnp.ones((), jnp.float32)
+    y, lin = jax.linearize(lambda a: a * f(*diff).astype(jnp.float32), z)
+    _close(lin(2 * z), 2 * f32(*diff32), TOL[dt])
+
+
 def _scalar_loss(f, out_like, seed=5):
     w = _cotangent(out_like, seed).astype(jnp.float32)
     return lambda *d: jnp.sum(f(*d).astype(jnp.float32) * w)

@@ -170,10 +170,23 @@ class _Rules:
 
 
 class _StaticDims:
-    """Residual batch dimensions, carried through the residual pytree as static data."""
+    """Residual batch dimensions, carried through the residual pytree as static data.
+
+    Equal by value: under nested vmaps an inner level's ``_StaticDims`` sits in the outer
+    level's dims, and JAX checks pytree structures built at different times for equality."""
 
     def __init__(self, dims):
         self.dims = dims
+
+    def _key(self):
+        leaves, tree = jax.tree_util.tree_flatten(self.dims, is_leaf=lambda d: d is None)
+        return tree, tuple(leaves)
+
+    def __eq__(self, other):
+        return isinstance(other, _StaticDims) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
 
 jax.tree_util.register_pytree_node(_StaticDims, lambda s: ((), s.dims), lambda dims, _: _StaticDims(dims))
@@ -215,6 +228,10 @@ if _HAVE_HIJAX:
 
     class _RulesPrim(_hijax.HiPrim):
         """A primitive applying one op's rules (``_Rules``) to the op's dynamic arguments."""
+
+        # Linearised with no input tangent (an op applied to constants inside jax.linearize):
+        # the primal alone, with a zero tangent, as JAX's own primitives.
+        skip_linearization_on_zero_tangents = True
 
         def __init__(self, rules: _Rules, in_avals, out_aval):
             self.in_avals = tuple(in_avals)
@@ -293,6 +310,8 @@ if _HAVE_HIJAX:
 
         def batch(self, axis_data, args, dims):
             res, ts = args
+            if not jax.tree_util.tree_leaves(dims):  # nothing batched (jacfwd of jacfwd's inner vmap)
+                return self(res, ts), None
             res_dims, t_dims = dims
             rules = self.rules
             vr = _hijax.vmap_rule
