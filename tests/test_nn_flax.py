@@ -886,3 +886,74 @@ def test_norm_modules_with_zero_features_return_flax_empty_result():
         chex.assert_trees_all_equal_shapes_and_dtypes((got, params), (want, fparams))
     for mine, theirs in [(jnnx.LayerNorm, nnx.LayerNorm), (jnnx.RMSNorm, nnx.RMSNorm)]:
         chex.assert_trees_all_equal_shapes_and_dtypes(mine(0, rngs=nnx.Rngs(0))(x), theirs(0, rngs=nnx.Rngs(0))(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda F, eps: F.LayerNorm(8, epsilon=eps, rngs=nnx.Rngs(0)),
+    lambda F, eps: F.RMSNorm(8, epsilon=eps, rngs=nnx.Rngs(0)),
+    lambda F, eps: F.GroupNorm(8, num_groups=2, epsilon=eps, rngs=nnx.Rngs(0)),
+    lambda F, eps: F.BatchNorm(8, epsilon=eps, use_running_average=False, rngs=nnx.Rngs(0)),
+])
+def test_nnx_norms_take_a_jax_scalar_epsilon_as_flax(make):
+    # A jax array epsilon (traced under nnx.jit) is flax's to handle: it raised the op's
+    # "eps must be a real Python number" eagerly and a TracerBoolConversionError under jit.
+    x = _rand((2, 4, 4, 8))
+    ours, theirs = make(jnnx, jnp.float32(1e-5)), make(nnx, jnp.float32(1e-5))
+    for call in (lambda m, x: m(x), nnx.jit(lambda m, x: m(x))):
+        chex.assert_trees_all_close(call(ours, x), call(theirs, x), atol=1e-6, rtol=1e-6)
+
+
+def test_linen_norms_take_a_jax_scalar_epsilon_as_flax():
+    x = _rand((2, 8))
+    for name in ("LayerNorm", "RMSNorm", "BatchNorm"):
+        kw = dict(epsilon=jnp.float32(1e-5), **({"use_running_average": False} if name == "BatchNorm" else {}))
+        ours, theirs = getattr(jnn, name)(**kw), getattr(fnn, name)(**kw)
+        params = theirs.init(jax.random.PRNGKey(0), x)
+        y, want = (jax.jit(lambda p, x, m=m: m.apply(p, x, mutable=["batch_stats"])[0])(params, x)
+                   for m in (ours, theirs))
+        chex.assert_trees_all_close(y, want, atol=1e-6, rtol=1e-6)
+
+
+def _to_float8(*arrays, dtype=None, inexact=True):
+    """A custom promote_dtype of quantised compute: every operand cast to float8_e4m3fn."""
+    arrays = arrays[0] if len(arrays) == 1 and isinstance(arrays[0], tuple) else arrays  # nnx passes a tuple
+    return tuple(None if a is None else jnp.asarray(a).astype(jnp.float8_e4m3fn) for a in arrays)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_custom_promote_dtype_to_float8_runs_flax_code(impl):
+    # The ops take 16-to-64-bit floats; the dtype check ran before the module's promote_dtype,
+    # so Linear/Dense and Conv raised where flax returns float8.
+    x = _rand((2, 5, 5, 8))
+    with jaxbwd.config.use(implementation=impl, interpret=True):
+        for make in (lambda F: F.Linear(8, 4, promote_dtype=_to_float8, rngs=nnx.Rngs(0)),
+                     lambda F: F.Conv(8, 4, (3, 3), promote_dtype=_to_float8, rngs=nnx.Rngs(0))):
+            y, want = make(jnnx)(x), make(nnx)(x)
+            assert y.dtype == want.dtype == jnp.float8_e4m3fn
+            chex.assert_trees_all_equal(y.astype(jnp.float32), want.astype(jnp.float32))
+        for make in (lambda M: M.Dense(4, promote_dtype=_to_float8), lambda M: M.Conv(4, (3, 3), promote_dtype=_to_float8)):
+            params = make(fnn).init(jax.random.PRNGKey(0), x)
+            chex.assert_trees_all_equal(make(jnn).init(jax.random.PRNGKey(0), x), params)
+            y, want = make(jnn).apply(params, x), make(fnn).apply(params, x)
+            assert y.dtype == want.dtype == jnp.float8_e4m3fn
+            chex.assert_trees_all_equal(y.astype(jnp.float32), want.astype(jnp.float32))
+
+
+def test_nnx_group_norm_without_parameters_checks_the_channel_count_as_flax():
+    # No scale or bias gives the op no [C] shape to check: 6 channels in 2 groups of 3 ran
+    # where the module was built for 2 groups of 4.
+    x = _rand((2, 4, 4, 6))
+    kw = dict(num_groups=2, use_scale=False, use_bias=False, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="cannot reshape"):
+        nnx.GroupNorm(8, **kw)(x)
+    with pytest.raises(TypeError, match="cannot reshape"):
+        jnnx.GroupNorm(8, **kw)(x)
+
+
+def test_jaxbwd_nn_nnx_is_reachable_from_jaxbwd_nn():
+    import subprocess
+    import sys
+    code = "import jaxbwd.nn; print(jaxbwd.nn.nnx.Linear.__mro__[1].__module__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and "flax.nnx" in r.stdout, r.stderr[-2000:]

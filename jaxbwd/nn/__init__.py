@@ -21,3 +21,12 @@ from jaxbwd.nn.linen import (
 
 __all__ = ["Attention", "BatchNorm", "Conv", "Dense", "Dropout", "Embed", "GroupNorm", "LayerNorm", "MultiHeadDotProductAttention",
            "PixelShuffle", "RMSNorm", "SwiGLUMLP", "Upsample", "dot_product_attention"]
+
+
+def __getattr__(name):
+    # ``jaxbwd.nn.nnx`` after ``import jaxbwd.nn``, imported on first use (it imports flax.nnx).
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("jaxbwd.nn.nnx")
+    raise AttributeError(f"module 'jaxbwd.nn' has no attribute {name!r}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 import jaxbwd
@@ -30,12 +32,20 @@ def last_axis_only(ndim: int, *axes) -> bool:
     return ndim >= 1 and all(_axes(ndim, a) == (ndim - 1,) for a in axes)
 
 
+def static_real(value) -> bool:
+    """A finite Python or NumPy real number: what the ops take as a static hyperparameter
+    (``epsilon``, ``momentum``, ``rate``). flax's modules also take jax arrays (traced under
+    jit), and such a module runs flax's code."""
+    return (np.isscalar(value) and not isinstance(value, (bool, np.bool_, str)) and not np.iscomplexobj(value)
+            and math.isfinite(float(value)))
+
+
 def plain_stats(mod, mask) -> bool:
     """A norm module's statistics as the kernels compute them: unmasked, on one device, in
     float32 (flax versions and NNX modules without ``force_float32_reductions`` always reduce
-    in float32), with ``epsilon > 0``."""
+    in float32), with a static ``epsilon > 0``."""
     return (mask is None and mod.axis_name is None and getattr(mod, "force_float32_reductions", True)
-            and mod.epsilon > 0)
+            and static_real(mod.epsilon) and mod.epsilon > 0)
 
 
 def last_axis_stats(mod, x, mask, *dtypes) -> bool:
@@ -83,6 +93,15 @@ def takes_dtypes(*xs) -> bool:
     """Every array or dtype among ``xs`` (None skipped) is one jaxbwd's ops take. flax's
     modules take complex and 8-bit float ones too, so such a call runs flax's code."""
     return all(x is None or B.takes_dtype(jnp.result_type(x)) for x in xs)
+
+
+def promotes_to_op_dtypes(promote, *args) -> bool:
+    """Whether a module's ``promote_dtype`` (``promote``: a function of ``args``, arrays,
+    ``ShapeDtypeStruct``s of parameters not yet created, or None) gives dtypes the ops take,
+    found by abstract evaluation (nothing is computed). flax's default promotes to the
+    inputs' floating dtype or the module's ``dtype``; a custom one may cast to an 8-bit float
+    (quantised compute), and such a module runs flax's code, which takes those."""
+    return takes_dtypes(*jax.tree_util.tree_leaves(jax.eval_shape(promote, *args)))
 
 
 def rms_norm(x, scale, *, eps, weight_offset, out_dtype, impl):
@@ -236,8 +255,7 @@ def conv(x, kernel, bias, *, kernel_size, strides, padding, kernel_dilation, fea
 def dropout_covered(inputs, rate, broadcast_dims) -> bool:
     """jaxbwd.dropout covers flax's Dropout for floating inputs, a static rate strictly
     between 0 and 1 (flax's own code returns early at 0 and 1) and no broadcast dims."""
-    static = isinstance(rate, (int, float)) and not isinstance(rate, bool)
-    return (static and 0.0 < rate < 1.0 and not tuple(broadcast_dims)
+    return (static_real(rate) and 0.0 < rate < 1.0 and not tuple(broadcast_dims)
             and op_float(jnp.result_type(inputs)))
 
 

@@ -22,6 +22,13 @@ from jaxbwd.nn import _kernels as K
 Initializer = Any
 
 
+
+def _param_specs(dtype, kernel_shape, bias_shape, use_bias):
+    """Shapes and dtypes of a kernel and (when used) a bias not yet created, for
+    :func:`_kernels.promotes_to_op_dtypes`."""
+    return (jax.ShapeDtypeStruct(kernel_shape, dtype),
+            jax.ShapeDtypeStruct(bias_shape, dtype) if use_bias else None)
+
 class _Impl:
     """Checks ``implementation`` when the module is built, as the NNX modules do: a module
     whose call falls back to flax's code would otherwise never look at it."""
@@ -157,10 +164,13 @@ class Dense(_Impl, fnn.Dense):
 
     @fnn.compact
     def __call__(self, inputs):
+        kshape = (jnp.shape(inputs)[-1:] or (0,)) + (self.features,)
         if (self.precision is not None or self.dot_general is not None or self.dot_general_cls is not None
-                or jnp.ndim(inputs) == 0 or not K.takes_dtypes(inputs, self.param_dtype, self.dtype)):
+                or jnp.ndim(inputs) == 0 or not K.takes_dtypes(inputs, self.param_dtype, self.dtype)
+                or not K.promotes_to_op_dtypes(lambda *a: self.promote_dtype(*a, dtype=self.dtype), inputs,
+                                               *_param_specs(self.param_dtype, kshape, (self.features,), self.use_bias))):
             return super().__call__(inputs)
-        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
+        kernel = self.param("kernel", self.kernel_init, kshape, self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return K.dense(inputs, kernel, bias, self.implementation)
@@ -365,8 +375,9 @@ class BatchNorm(_Impl, fnn.BatchNorm):
     @fnn.compact
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         if not (isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
-                and getattr(self, "force_float32_reductions", True) and self.epsilon > 0 and jnp.ndim(x) >= 2
-                and jnp.size(x) > 0 and 0 <= self.momentum <= 1 and K.takes_dtypes(x, self.param_dtype, self.dtype)):
+                and getattr(self, "force_float32_reductions", True) and K.static_real(self.epsilon)
+                and self.epsilon > 0 and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.static_real(self.momentum)
+                and 0 <= self.momentum <= 1 and K.takes_dtypes(x, self.param_dtype, self.dtype)):
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = fnn.module.merge_param("use_running_average", self.use_running_average, use_running_average)
         c = x.shape[self.axis]
@@ -461,7 +472,10 @@ class Conv(_Impl, fnn.Conv):
                 and self.conv_general_dilated_cls is None
                 and jnp.ndim(inputs) >= len(ks) + 1 and cin % fgc == 0 and min(kernel_shape) > 0
                 and K.takes_dtypes(inputs, self.param_dtype, self.dtype)
-                and (self.mask is None or self.mask.shape == kernel_shape)):
+                and (self.mask is None or self.mask.shape == kernel_shape)
+                and K.promotes_to_op_dtypes(lambda *a: self.promote_dtype(*a, dtype=self.dtype), inputs,
+                                            *_param_specs(self.param_dtype, kernel_shape, (self.features,),
+                                                          self.use_bias))):
             return super().__call__(inputs)
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         if self.mask is not None:

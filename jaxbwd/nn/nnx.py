@@ -120,8 +120,10 @@ class Linear(nnx.Linear, _Impl):
                 or getattr(self, "dot_general_cls", None) is not None or self.preferred_element_type is not None
                 or jnp.ndim(inputs) == 0 or not K.takes_dtypes(inputs, self.dtype, _value(self.kernel))):
             return super().__call__(inputs, out_sharding=out_sharding)
-        inputs, kernel, bias = self.promote_dtype((inputs, _value(self.kernel), _value(self.bias)), dtype=self.dtype)
-        return K.dense(inputs, kernel, bias, self.implementation)
+        promoted = self.promote_dtype((inputs, _value(self.kernel), _value(self.bias)), dtype=self.dtype)
+        if not K.takes_dtypes(*promoted):  # a custom promote_dtype's 8-bit floats: flax's code
+            return super().__call__(inputs, out_sharding=out_sharding)
+        return K.dense(*promoted, self.implementation)
 
 
 class Embed(nnx.Embed, _Impl):
@@ -189,7 +191,9 @@ class GroupNorm(nnx.GroupNorm, _Impl):
         self._set_impl(implementation)
 
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
+        # x's channels not the constructor's (possible without scale and bias): flax's code raises.
         if not (K.plain_stats(self, mask) and K.group_norm_covered(x, self.reduction_axes, self.num_groups)
+                and jnp.shape(x)[-1:] == (self.num_groups * self.group_size,)
                 and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
@@ -235,8 +239,10 @@ class Conv(nnx.Conv, _Impl):
         kernel = _value(self.kernel)
         if self.mask is not None:
             kernel = kernel * self.mask
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, _value(self.bias)), dtype=self.dtype)
-        return K.conv(inputs, kernel, bias, kernel_size=ks, strides=self.strides, padding=self.padding,
+        inputs_p, kernel, bias = self.promote_dtype((inputs, kernel, _value(self.bias)), dtype=self.dtype)
+        if not K.takes_dtypes(inputs_p, kernel, bias):  # a custom promote_dtype's 8-bit floats: flax's code
+            return super().__call__(inputs, out_sharding=out_sharding)
+        return K.conv(inputs_p, kernel, bias, kernel_size=ks, strides=self.strides, padding=self.padding,
                       kernel_dilation=self.kernel_dilation, feature_group_count=self.feature_group_count,
                       impl=self.implementation)
 
@@ -414,9 +420,9 @@ class BatchNorm(nnx.BatchNorm, _Impl):
 
     def __call__(self, x, use_running_average: Optional[bool] = None, *, mask: Optional[jax.Array] = None):
         use_ra = self.use_running_average if use_running_average is None else use_running_average
-        static = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         if not (use_ra is not None and isinstance(self.axis, int) and mask is None and self.axis_index_groups is None
-                and static(self.epsilon) and self.epsilon > 0 and static(self.momentum) and 0 <= self.momentum <= 1
+                and K.static_real(self.epsilon) and self.epsilon > 0 and K.static_real(self.momentum)
+                and 0 <= self.momentum <= 1
                 and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, use_running_average, mask=mask)
         x, mean, var, scale, bias = self.promote_dtype(
