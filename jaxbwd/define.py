@@ -45,6 +45,11 @@ class Op:
         self.kernels = tuple(kernels) if pallas_backward is not None else ()
         self.check, self.sharding = check, sharding
         self._signature = _signature(forward)
+        # The other rules' signatures, checked per call against the static parameters given.
+        self._rule_sigs = [(rule, sig, n) for rule, f, n in (("fwd", fwd, None), ("backward", backward, 2),
+                                                            ("pallas_backward", pallas_backward, 2),
+                                                            ("tangent", tangent, 2))
+                           if f is not None and (sig := _signature(f)) is not None]
         self._sharding_inputs = None if sharding is None else _check_sharding(name, sharding, self._signature)
         # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype, weak_type) as the rules
         # see them (per shard, per vmapped example), to hold the backward's cotangents to.
@@ -61,9 +66,16 @@ class Op:
             if a is not None:
                 B.check_array(self.name, f"argument {i}", a)
         _check_signature(self.name, self._signature, arrays, static)
+        for rule, sig, n in self._rule_sigs:  # (res, dy) / (res, tangents), or the arrays for fwd
+            extra = {"interpret": False} if rule == "pallas_backward" else {}
+            _check_signature(self.name, sig, arrays if n is None else (None,) * n, {**static, **extra}, rule)
         if self.check is not None:
             self.check(*arrays, **static)
-        impl = B.impl(implementation, self.name, *[a for a in arrays if a is not None], float64_kernels=True)
+        present = [a for a in arrays if a is not None]
+        if self.pallas_backward is None:  # no kernel to run: the name is checked, XLA runs
+            B.impl(implementation, self.name)
+            implementation = "xla"
+        impl = B.impl(implementation, self.name, *present, float64_kernels=True)
         params = _check_hashable(self.name, static)
         run = lambda *a: self._op(params, impl, _avals(a), *a)  # noqa: E731
         if self.sharding is None:
@@ -281,6 +293,23 @@ def _cotangents(name: str, rule: str, cts: Any, avals: tuple) -> tuple:
     return tuple(out)
 
 
+def _check_elementwise(name: str, rule: str, out: Any, shape: tuple) -> None:
+    """A define_elementwise formula's result (traced): one floating array of x's shape (the
+    derivative may also be a scalar or broadcast to it), else the op would change shape."""
+    if not isinstance(out, jax.ShapeDtypeStruct):
+        raise TypeError(f"jaxbwd.{name}: {rule} must return one array, got {_describe(out)}")
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise TypeError(f"jaxbwd.{name}: {rule} returned {_aval_text(out.shape, out.dtype)}, expected a "
+                        "floating array")
+    try:
+        fits = rule != "forward" and jnp.broadcast_shapes(tuple(out.shape), shape) == shape
+    except ValueError:
+        fits = False
+    if tuple(out.shape) != shape and not fits:
+        raise ValueError(f"jaxbwd.{name}: {rule} returned shape {tuple(out.shape)} for x of shape {shape}; an "
+                         f"elementwise {rule} keeps x's shape" + (" (or broadcasts to it)" if rule != "forward" else ""))
+
+
 def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional[Callable] = None,
               pallas_backward: Optional[Callable] = None, kernels: Sequence[str] = (),
               tangent: Optional[Callable] = None, check: Optional[Callable] = None,
@@ -330,7 +359,9 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
 
     Raises (when called, each naming the op):
       TypeError: a non-array argument; arguments the forward's signature does not take (or,
-      with ``sharding``, another number of arrays than the signature lays out); unhashable
+      with ``sharding``, another number of arrays than the signature lays out); static
+      arguments that ``fwd``, ``backward``, ``pallas_backward`` (with ``interpret``) or
+      ``tangent`` does not take, or a rule that cannot take its positional arguments; unhashable
       static arguments; a rule returning the wrong form: a forward not returning one array,
       a ``fwd`` not returning ``(out, res)`` with ``out`` of forward's shape and dtype and
       ``res`` a pytree of arrays, a backward not returning one array (or None) of a float
@@ -379,7 +410,9 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
     Returns:
       ``op(x, *, implementation=None, **params)`` with ``op.kernels = ("<name>_bwd",)``;
       it raises TypeError naming the op for a non-floating x, params that ``forward``,
-      ``derivative`` or ``kernel_derivative`` does not take, or unhashable params.
+      ``derivative`` or ``kernel_derivative`` does not take, unhashable params, or a
+      formula not returning one floating array, and ValueError for a formula result of
+      another shape than x's (a derivative may also be a scalar or broadcast to x).
 
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is
@@ -401,6 +434,10 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
         for rule, sig in sigs:  # every formula is called with the params
             _check_signature(name, sig, (x,), params, rule)
         _check_hashable(name, params)
+        spec = jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32)  # what each formula is given
+        for rule, f in rules:
+            if f is not None:
+                _check_elementwise(name, rule, jax.eval_shape(functools.partial(f, **params), spec), spec.shape)
         return e.partitioned(x, B.impl(implementation, name, x), **params)
 
     op.__name__ = op.__qualname__ = name

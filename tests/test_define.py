@@ -228,14 +228,47 @@ def _grad_of(op, **static):
                     r"got a tuple of 2"),
     (lambda: jaxbwd.define_op("ct_int_test", forward=lambda x: 2 * x, backward=lambda r, d: (d.astype(jnp.int32),)),
      {}, TypeError, r"jaxbwd\.ct_int_test: backward's cotangent for argument 0 is int32, expected a floating"),
+    # The other rules' signatures, checked when the op is called (they used to fail inside
+    # the trace with a bare "unexpected keyword argument").
+    (lambda: jaxbwd.define_op("bwd_kw_test", forward=lambda x, *, eps=1.0: eps * x, backward=lambda r, d: (d,)),
+     {"eps": 2.0}, TypeError, r"jaxbwd\.bwd_kw_test: got an unexpected keyword argument 'eps'; "
+                              r"the op's backward is backward\(r, d\)"),
+    (lambda: jaxbwd.define_op("tangent_sig_test", forward=lambda x: 2 * x, fwd=lambda x: (2 * x, ()),
+                              backward=lambda r, d: (2 * d,), tangent=lambda r, dx, dy: 2 * dx),
+     {}, TypeError, r"jaxbwd\.tangent_sig_test: missing a required argument: 'dy'; the op's tangent is tangent"),
+    (lambda: jaxbwd.define_op("pallas_sig_test", forward=lambda x: 2 * x, backward=lambda r, d: (2 * d,),
+                              pallas_backward=lambda r, d: (2 * d,), kernels=("k",)),
+     {}, TypeError, r"jaxbwd\.pallas_sig_test: got an unexpected keyword argument 'interpret'"),
+    # define_elementwise's formulas: one floating array of x's shape.
+    (lambda: jaxbwd.define_elementwise("ew_shape_test", lambda x: x * x, lambda x: jnp.stack([x, x])),
+     {}, ValueError, r"jaxbwd\.ew_shape_test: derivative returned shape \(2, 4, 8\) for x of shape \(4, 8\)"),
+    (lambda: jaxbwd.define_elementwise("ew_reduce_test", lambda x: jnp.sum(x, -1), lambda x: 1.0 + 0 * x),
+     {}, ValueError, r"jaxbwd\.ew_reduce_test: forward returned shape \(4,\) for x of shape \(4, 8\)"),
+    (lambda: jaxbwd.define_elementwise("ew_tuple_test", lambda x: (x, x), lambda x: 1.0 + 0 * x),
+     {}, TypeError, r"jaxbwd\.ew_tuple_test: forward must return one array, got a tuple of 2"),
+    (lambda: jaxbwd.define_elementwise("ew_bool_test", lambda x: x, lambda x: x > 0),
+     {}, TypeError, r"jaxbwd\.ew_bool_test: derivative returned bool\[4, 8\], expected a floating array"),
 ], ids=["tuple-forward", "fwd-without-res", "backward-not-a-tuple", "cotangent-shape", "unknown-keyword",
         "elementwise-unknown-keyword", "elementwise-array-param", "elementwise-derivative-keyword",
-        "fwd-out-shape", "fwd-out-dtype", "fwd-res-str", "cotangent-nested", "cotangent-int"])
+        "fwd-out-shape", "fwd-out-dtype", "fwd-res-str", "cotangent-nested", "cotangent-int",
+        "backward-keyword", "tangent-signature", "pallas-backward-interpret", "elementwise-derivative-shape",
+        "elementwise-forward-reduces", "elementwise-forward-tuple", "elementwise-derivative-bool"])
 def test_a_user_rule_of_the_wrong_form_fails_by_the_ops_name(make, static, error, message):
     """Mistakes in a user's rules surface as the op's own error, not as an assertion or a
     shape error deep inside JAX."""
     with pytest.raises(error, match=message):
         _grad_of(make(), **static)()
+
+
+def test_an_op_without_a_kernel_takes_pallas_as_xla_with_symbolic_shapes():
+    # As jaxbwd's own XLA-only ops: "pallas" for an op with no pallas_backward has no kernel
+    # to run, so symbolic shapes (jax.export) do not refuse it.
+    op = jaxbwd.define_op("no_kernel_export_test", forward=lambda x: 2 * x, backward=lambda r, d: (2 * d,))
+    b, = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jax.jit(lambda x: op(x, implementation="pallas")))(jax.ShapeDtypeStruct((b, 5), jnp.float32))
+    assert exp.call(jnp.ones((3, 5))).shape == (3, 5)
+    with pytest.raises(ValueError, match=r"no_kernel_export_test: implementation must be None"):
+        op(jnp.ones(3), implementation="cuda")
 
 
 def test_cotangents_take_their_arguments_dtype():
