@@ -434,10 +434,11 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
         for rule, sig in sigs:  # every formula is called with the params
             _check_signature(name, sig, (x,), params, rule)
         _check_hashable(name, params)
-        spec = jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32)  # what each formula is given
-        for rule, f in rules:
-            if f is not None:
-                _check_elementwise(name, rule, jax.eval_shape(functools.partial(f, **params), spec), spec.shape)
+        # forward and derivative traced on what they are given (kernel_derivative may use
+        # what traces only inside a kernel)
+        spec = jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32)
+        for rule, f in rules[:2]:
+            _check_elementwise(name, rule, jax.eval_shape(functools.partial(f, **params), spec), spec.shape)
         return e.partitioned(x, B.impl(implementation, name, x), **params)
 
     op.__name__ = op.__qualname__ = name
