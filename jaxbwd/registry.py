@@ -967,6 +967,7 @@ def ops(names: Optional[Sequence[str]] = None) -> list[OpSpec]:
 
 # Import paths loaded so far; compile workers (other processes) load them again from here.
 LOADED_ENV = "JAXBWD_LOADED_OPS"
+_LOADED_FROM: dict[str, str] = {}  # user op name -> the import path that registered it
 
 
 def load(path: str) -> list[str]:
@@ -977,8 +978,9 @@ def load(path: str) -> list[str]:
 
     Raises:
       KeyError: the module or attribute cannot be found, or it holds no OpSpec.
-      ValueError: another op of the same name is already registered, or one raised while
-        importing the module (its message, then the path).
+      ValueError: the op's name is one of jaxbwd's own ops or of a user op loaded from
+        another attribute, two ops at ``path`` share a name, or one raised while importing
+        the module (its message, then the path).
     """
     import importlib
     import importlib.util
@@ -1005,12 +1007,22 @@ def load(path: str) -> list[str]:
     if not specs or not all(isinstance(s, OpSpec) for s in specs):
         raise KeyError(f"jaxbwd: {path} must be a jaxbwd.registry.OpSpec or a sequence of them, "
                        f"got {type(value).__name__}")
+    names = [s.name for s in specs]
     for s in specs:
+        if names.count(s.name) > 1:
+            raise ValueError(f"jaxbwd.registry: {path} holds {names.count(s.name)} ops named {s.name!r}; "
+                             "each op needs its own name")
         if REGISTRY.get(s.name) is not s:
-            # A module loaded twice (as a file and as a module) makes equal specs, not the same object.
+            # A module loaded twice (as a file and as a module) makes equal specs, not the same
+            # object: the same attribute may register a name again, another one may not.
             if s.name in REGISTRY and REGISTRY[s.name].family != "user":
                 raise ValueError(f"jaxbwd.registry: op {s.name!r} from {path} clashes with jaxbwd's own op")
+            earlier = _LOADED_FROM.get(s.name)
+            if earlier is not None and earlier.rpartition(":")[2] != attr:
+                raise ValueError(f"jaxbwd.registry: op {s.name!r} from {path} has the name of the op "
+                                 f"loaded from {earlier}; each op needs its own name")
             REGISTRY[s.name] = s
+            _LOADED_FROM[s.name] = path
     loaded = [p for p in os.environ.get(LOADED_ENV, "").split(",") if p]
     if path not in loaded:
         os.environ[LOADED_ENV] = ",".join(loaded + [path])

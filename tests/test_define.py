@@ -159,6 +159,28 @@ def test_cli_import_path_errors(capsys):
     assert "examples.squared_relu has no attribute 'NOPE'" in capsys.readouterr().err
 
 
+def test_cli_refuses_two_user_ops_of_one_name(capsys, tmp_path, monkeypatch):
+    # The second silently replaced the first, so `check` checked one op of two.
+    (tmp_path / "dup_ops_mod.py").write_text(
+        "import jax.numpy as jnp, jaxbwd\n"
+        "from jaxbwd.registry import Example\n"
+        "ex = [Example('4', lambda k, dt: ((jnp.ones(4, dt),), {}))]\n"
+        "A = jaxbwd.define_op('dup_name_test', forward=lambda x: 2 * x, backward=lambda r, d: (2 * d,))"
+        ".spec(reference=lambda x: 2 * x, examples=ex)\n"
+        "B = jaxbwd.define_op('dup_name_test', forward=lambda x: 3 * x, backward=lambda r, d: (3 * d,))"
+        ".spec(reference=lambda x: 3 * x, examples=ex)\n"
+        "BOTH = [A, B]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.LOADED_ENV, "")
+    assert cli.main(["list", "--ops", "dup_ops_mod:A", "dup_ops_mod:B"]) == 2
+    assert "op 'dup_name_test' from dup_ops_mod:B has the name of the op loaded from dup_ops_mod:A" in capsys.readouterr().err
+    assert cli.main(["list", "--ops", "dup_ops_mod:BOTH"]) == 2
+    assert "dup_ops_mod:BOTH holds 2 ops named 'dup_name_test'" in capsys.readouterr().err
+    assert cli.main(["list", "--ops", "dup_ops_mod:A"]) == 0  # the same attribute again: fine
+    registry.REGISTRY.pop("dup_name_test", None)
+    registry._LOADED_FROM.pop("dup_name_test", None)
+
+
 def test_float64_rule_spares_user_kernels():
     """jaxbwd's float32 kernels refuse float64 by name (define_elementwise's generated kernel
     among them); a define_op kernel is its author's and receives float64 as given."""
