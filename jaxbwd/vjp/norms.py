@@ -184,8 +184,8 @@ def layer_norm(x, weight, bias, *, eps=1e-5, implementation=None):
     (``_base.centered_stats``), so a constant row gives exactly ``bias`` at any eps and a
     large offset or an outlier costs no more than f32 rounding. A row whose values differ by
     more than ~1.8e19 overflows the variance (output ``bias``, as flax's
-    ``LayerNorm(use_fast_variance=False)`` gives); one whose values differ by more than the
-    f32 maximum gives NaN.
+    ``LayerNorm(use_fast_variance=False)`` gives); one whose sum overflows, or whose values
+    differ by more than the f32 maximum from the mean, gives NaN.
 
     Raises:
       TypeError: x, weight or bias not floating; eps traced.
