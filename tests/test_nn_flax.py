@@ -931,6 +931,14 @@ def test_a_custom_promote_dtype_to_float8_runs_flax_code(impl):
             y, want = make(jnnx)(x), make(nnx)(x)
             assert y.dtype == want.dtype == jnp.float8_e4m3fn
             chex.assert_trees_all_equal(y.astype(jnp.float32), want.astype(jnp.float32))
+        for make in (lambda F: F.LayerNorm(8, promote_dtype=_to_float8, rngs=nnx.Rngs(0)),
+                     lambda F: F.RMSNorm(8, promote_dtype=_to_float8, rngs=nnx.Rngs(0)),
+                     lambda F: F.GroupNorm(8, num_groups=2, promote_dtype=_to_float8, rngs=nnx.Rngs(0)),
+                     lambda F: F.BatchNorm(8, use_running_average=False, promote_dtype=_to_float8, rngs=nnx.Rngs(0))):
+            with pytest.raises(Exception) as theirs:  # flax's code does not promote float8 with float32
+                make(nnx)(x)
+            with pytest.raises(type(theirs.value)):
+                make(jnnx)(x)
         for make in (lambda M: M.Dense(4, promote_dtype=_to_float8), lambda M: M.Conv(4, (3, 3), promote_dtype=_to_float8)):
             params = make(fnn).init(jax.random.PRNGKey(0), x)
             chex.assert_trees_all_equal(make(jnn).init(jax.random.PRNGKey(0), x), params)

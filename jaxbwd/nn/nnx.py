@@ -65,7 +65,12 @@ class RMSNorm(nnx.RMSNorm, _Impl):
             if self.weight_offset:
                 K.refuse_weight_offset("nn.nnx.RMSNorm", self, x, mask)
             return super().__call__(x, mask=mask)
-        x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
+        xp, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
+        if not K.takes_dtypes(xp, scale):  # a custom promote_dtype's 8-bit floats: flax's code
+            if self.weight_offset:
+                K.refuse_weight_offset("nn.nnx.RMSNorm", self, xp, mask)
+            return super().__call__(x, mask=mask)
+        x = xp
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale) if a is not None])
         return K.rms_norm(x, scale, eps=self.epsilon, weight_offset=self.weight_offset, out_dtype=out,
                           impl=self.implementation)
@@ -90,7 +95,10 @@ class LayerNorm(nnx.LayerNorm, _Impl):
     def __call__(self, x, *, mask: Optional[jax.Array] = None):
         if not K.last_axis_stats(self, x, mask, self.dtype, _value(self.scale), _value(self.bias)):
             return super().__call__(x, mask=mask)
-        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        xp, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        if not K.takes_dtypes(xp, scale, bias):  # a custom promote_dtype's 8-bit floats: flax's code
+            return super().__call__(x, mask=mask)
+        x = xp
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
         return K.layer_norm(x, scale, bias, eps=self.epsilon, out_dtype=out, impl=self.implementation)
 
@@ -197,7 +205,11 @@ class GroupNorm(nnx.GroupNorm, _Impl):
                 and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             y = super().__call__(x, mask=mask)
             return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
-        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        xp, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        if not K.takes_dtypes(xp, scale, bias):  # a custom promote_dtype's 8-bit floats: flax's code
+            y = super().__call__(x, mask=mask)
+            return y if self.activation is None else jaxbwd.silu(y, implementation=self.implementation)
+        x = xp
         out = self.dtype if self.dtype is not None else jnp.result_type(*[a for a in (x, scale, bias) if a is not None])
         return K.group_norm(x, scale, bias, num_groups=self.num_groups, eps=self.epsilon,
                             activation=self.activation, out_dtype=out, impl=self.implementation)
@@ -425,8 +437,11 @@ class BatchNorm(nnx.BatchNorm, _Impl):
                 and 0 <= self.momentum <= 1
                 and jnp.ndim(x) >= 2 and jnp.size(x) > 0 and K.takes_dtypes(x, self.dtype, _value(self.scale), _value(self.bias))):
             return super().__call__(x, use_running_average, mask=mask)
-        x, mean, var, scale, bias = self.promote_dtype(
+        promoted = self.promote_dtype(
             (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)), dtype=self.dtype)
+        if not K.takes_dtypes(*promoted):  # a custom promote_dtype's 8-bit floats: flax's code
+            return super().__call__(x, use_running_average, mask=mask)
+        x, mean, var, scale, bias = promoted
         # As flax's _normalize: the result's dtype from x, scale, bias and ``dtype``; the op runs
         # in the wider of that and the operands (its statistics are float32 either way).
         out = nnx_dtypes.canonicalize_dtype(*[a for a in (x, scale, bias) if a is not None], dtype=self.dtype)
