@@ -576,6 +576,18 @@ def test_interpreted_kernels_under_vma_checking_fail_by_the_ops_name():
         with pytest.raises(NotImplementedError, match=r"jaxbwd\.rms_norm: the Pallas backward cannot run in "
                                                       r"interpret mode inside a jax\.shard_map with check_vma=True"):
             grad_in_shard_map(lambda x: jaxbwd.rms_norm(x, jnp.ones(8)))
+        # Forward kernels too (cross_entropy's and attention's): they failed inside JAX's
+        # Pallas interpreter with "Primitive gather requires varying manual axes to match".
+        labels = jnp.zeros((2, 4, 4), jnp.int32)
+        fwd = lambda f: jax.jit(jax.shard_map(f, mesh=cpu, in_specs=P("i"), out_specs=P("i"),  # noqa: E731
+                                              check_vma=True))(x)
+        for name, f in [("cross_entropy", lambda x: jaxbwd.cross_entropy(x, labels, reduction="none")),
+                        ("dot_product_attention", lambda x: jaxbwd.dot_product_attention(x, x, x)),
+                        ("dot_product_attention", lambda x: jax.jvp(jaxbwd.dot_product_attention, (x, x, x),
+                                                                    (x, x, x))[1])]:
+            with pytest.raises(NotImplementedError, match=rf"jaxbwd\.{name}: the Pallas forward cannot run in "
+                                                          r"interpret mode inside a jax\.shard_map"):
+                fwd(f)
         got = grad_in_shard_map(lambda x: jaxbwd.avg_pool2d(x, 2))
     assert jnp.allclose(got, jax.grad(lambda x: jnp.sum(jaxbwd.avg_pool2d(x, 2)))(x))
 

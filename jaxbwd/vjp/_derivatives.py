@@ -113,15 +113,15 @@ def _xla_twin(value):
     return xla if value is impl else dataclasses.replace(value, impl=xla)
 
 
-def _interpreted_under_vma(name: str, bwd: Callable) -> Callable:
-    """``bwd``, or, where it runs a Pallas kernel, an error by the op's name: JAX's Pallas
+def _interpreted_under_vma(name: str, what: str, rule: Callable) -> Callable:
+    """``rule``, or, where it runs a Pallas kernel, an error by the op's name: JAX's Pallas
     interpreter builds index arrays that do not vary over the manual axes of a vma-checked
     shard_map, and the checker rejects them deep inside (a GPU lowers the same kernels)."""
-    def checked(res, ct):
-        if "pallas_call" not in str(jax.make_jaxpr(bwd)(res, ct)):
-            return bwd(res, ct)
+    def checked(*args):
+        if "pallas_call" not in str(jax.make_jaxpr(rule)(*args)):
+            return rule(*args)
         raise NotImplementedError(
-            f"jaxbwd.{name}: the Pallas backward cannot run in interpret mode inside a "
+            f"jaxbwd.{name}: the Pallas {what} cannot run in interpret mode inside a "
             "jax.shard_map with check_vma=True (JAX's Pallas interpreter does not track varying "
             "manual axes); use check_vma=False, implementation='xla', or a GPU, where the kernels lower"
         )
@@ -506,7 +506,11 @@ class custom_op:
         rules = self._rules(nondiff)
         impls = [i for i in map(_impl_of, nondiff) if i is not None]
         if vma is not None and any(i.pallas and i.interpret for i in impls):
-            rules = dataclasses.replace(rules, bwd=_interpreted_under_vma(self.name, rules.bwd))
+            guard = functools.partial(_interpreted_under_vma, self.name)
+            rules = dataclasses.replace(
+                rules, primal=guard("forward", rules.primal), fwd=guard("forward", rules.fwd),
+                bwd=guard("backward", rules.bwd),
+                tangent=None if rules.tangent is None else guard("forward-mode kernel", rules.tangent))
         if not _HAVE_HIJAX:
             return self._call_custom_vjp(rules, dyn)
         dyn = tuple(a if a is None or isinstance(a, jax.Array) else jnp.asarray(a) for a in dyn)
