@@ -20,7 +20,8 @@ raised while tracing):
   a dimension a kernel indexes past 2**31 - 1 (while x64 is off, also cross_entropy's
   classes and embed's table rows on the XLA path, which JAX gathers with int32); NumPy
   int64 index arrays (ids, labels, lengths, segment ids) with values outside int32 while
-  x64 is off (JAX would wrap them; with x64 on, such values are out of range and each op's docstring says what it does).
+  x64 is off (JAX would wrap them; with x64 on, such values are out of range and each op's
+  docstring says what it does).
 """
 from jaxbwd import checkpoint_policies, config
 from jaxbwd.define import define_elementwise, define_op

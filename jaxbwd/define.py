@@ -411,8 +411,8 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
       ``op(x, *, implementation=None, **params)`` with ``op.kernels = ("<name>_bwd",)``;
       it raises TypeError naming the op for a non-floating x, params that ``forward``,
       ``derivative`` or ``kernel_derivative`` does not take, unhashable params, or a
-      formula not returning one floating array, and ValueError for a formula result of
-      another shape than x's (a derivative may also be a scalar or broadcast to x).
+      ``forward``/``derivative`` not returning one floating array, and ValueError for such a
+      result of another shape than x's (a derivative may also be a scalar or broadcast to x).
 
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is

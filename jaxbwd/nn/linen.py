@@ -22,12 +22,12 @@ from jaxbwd.nn import _kernels as K
 Initializer = Any
 
 
-
 def _param_specs(dtype, kernel_shape, bias_shape, use_bias):
     """Shapes and dtypes of a kernel and (when used) a bias not yet created, for
     :func:`_kernels.promotes_to_op_dtypes`."""
     return (jax.ShapeDtypeStruct(kernel_shape, dtype),
             jax.ShapeDtypeStruct(bias_shape, dtype) if use_bias else None)
+
 
 class _Impl:
     """Checks ``implementation`` when the module is built, as the NNX modules do: a module
