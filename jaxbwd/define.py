@@ -46,9 +46,9 @@ class Op:
         self.check, self.sharding = check, sharding
         self._signature = _signature(forward)
         # The other rules' signatures, checked per call against the static parameters given.
-        self._rule_sigs = [(rule, sig, n) for rule, f, n in (("fwd", fwd, None), ("backward", backward, 2),
-                                                            ("pallas_backward", pallas_backward, 2),
-                                                            ("tangent", tangent, 2))
+        rules = (("fwd", fwd, None), ("backward", backward, 2), ("pallas_backward", pallas_backward, 2),
+                 ("tangent", tangent, 2))
+        self._rule_sigs = [(rule, sig, n) for rule, f, n in rules
                            if f is not None and (sig := _signature(f)) is not None]
         self._sharding_inputs = None if sharding is None else _check_sharding(name, sharding, self._signature)
         # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype, weak_type) as the rules
