@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 import jaxbwd
@@ -33,11 +31,14 @@ def last_axis_only(ndim: int, *axes) -> bool:
 
 
 def static_real(value) -> bool:
-    """A finite Python or NumPy real number: what the ops take as a static hyperparameter
-    (``epsilon``, ``momentum``, ``rate``). flax's modules also take jax arrays (traced under
-    jit), and such a module runs flax's code."""
-    return (np.isscalar(value) and not isinstance(value, (bool, np.bool_, str)) and not np.iscomplexobj(value)
-            and math.isfinite(float(value)))
+    """Whether the ops take ``value`` as a static hyperparameter (``epsilon``, ``momentum``,
+    ``rate``; the ops' own rule, ``_base.check_static_number``). flax's modules also take jax
+    arrays (traced under jit), and such a module runs flax's code."""
+    try:
+        B.check_static_number("nn", "value", value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def plain_stats(mod, mask) -> bool:
