@@ -3,7 +3,8 @@
 Time and compiled temp memory (MiB, 2^20 bytes) of each, causal, B=1, 2 heads of 32, f32,
 T=S=1024 and 4096; jaxbwd's side is its XLA formula (default) or, on a GPU, the
 attention_jvp kernel (--implementation pallas; without a GPU that is refused in one line,
-exit status 2, since interpret mode would time the interpreter).
+exit status 2, since interpret mode would time the interpreter; so is jax < 0.12, which has
+no forward mode of the ops).
 
     python bench/attention_jvp.py [--implementation xla|pallas] [--seqs T ...]
 """
@@ -26,8 +27,8 @@ def main(argv=None) -> int:
                    help="sequence lengths T=S (default 1024 4096)")
     args = p.parse_args(argv)
     impl = args.implementation
-    why = bench.unavailable(impl)
-    if why:  # Pallas without a GPU: one line, not jax's traceback
+    why = bench.unavailable(impl, "jvp")
+    if why:  # Pallas without a GPU, or jax < 0.12: one line, not jax's traceback
         return _cli.refuse(p.prog, why.removeprefix("jaxbwd bench: "))
     spec = registry.get("dot_product_attention")
     for T in args.seqs:

@@ -109,7 +109,7 @@ def _bench(args) -> int:
 
     from jaxbwd import bench
 
-    why = bench.unavailable(args.implementation)
+    why = bench.unavailable(args.implementation, args.mode)
     if why:  # a backend this machine cannot time: one line, no traceback
         print(f"error: {why}", file=sys.stderr)
         return 2

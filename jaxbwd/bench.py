@@ -182,15 +182,20 @@ def default_size() -> str:
     return "llm" if jax.default_backend() == "gpu" else "small"
 
 
-def unavailable(implementation: Optional[str] = None) -> Optional[str]:
-    """Why ``implementation`` (``None``: the configured default) cannot be benchmarked on this
-    machine, as one sentence; ``None`` when it can. Pallas kernels are timed on a GPU only:
-    elsewhere they run in interpret mode, which times the interpreter, not the kernels."""
+def unavailable(implementation: Optional[str] = None, mode: str = "vjp") -> Optional[str]:
+    """Why ``implementation`` (``None``: the configured default) cannot be benchmarked in
+    ``mode`` on this machine, as one sentence; ``None`` when it can. Pallas kernels are timed
+    on a GPU only: elsewhere they run in interpret mode, which times the interpreter, not the
+    kernels. Forward mode (``"jvp"``) needs jax >= 0.12."""
+    from jaxbwd.vjp._derivatives import FORWARD_MODE
+
     impl = implementation or config.default_implementation()
     if impl == "pallas" and jax.default_backend() != "gpu":
         return (f"jaxbwd bench: the Pallas kernels are timed on a GPU only (this backend: {jax.default_backend()}; "
                 "interpret mode would time the interpreter); use --implementation xla here, or "
                 "`python -m jaxbwd check` to test the kernels in interpret mode")
+    if mode == "jvp" and not FORWARD_MODE:
+        return f"jaxbwd bench: mode 'jvp' needs jax >= 0.12 (forward mode of the ops), this is jax {jax.__version__}"
     return None
 
 
@@ -214,11 +219,7 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
         raise ValueError(f"jaxbwd bench: size must be 'small' or 'llm', got {size!r}")
     if mode not in ("vjp", "jvp"):
         raise ValueError(f"jaxbwd bench: mode must be 'vjp' or 'jvp', got {mode!r}")
-    from jaxbwd.vjp._derivatives import FORWARD_MODE
-
-    if mode == "jvp" and not FORWARD_MODE:
-        raise ValueError(f"jaxbwd bench: mode 'jvp' needs jax >= 0.12 (forward mode of the ops), this is jax {jax.__version__}")
-    why = unavailable(implementation)
+    why = unavailable(implementation, mode)
     if why:
         raise ValueError(why)
     specs = registry.ops(ops)

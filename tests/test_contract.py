@@ -412,6 +412,8 @@ def test_second_order_matches_reference(spec, ex, impl, dt):
     gg = jax.grad(lambda *d: sum(jnp.vdot(a.astype(jnp.float32), t) for a, t in zip(g(*d), ts)), argnums=argnums)
     gg32 = jax.grad(lambda *d: sum(jnp.vdot(a, t) for a, t in zip(g32(*d), ts)), argnums=argnums)
     _close(gg(*diff), gg32(*diff32), 1e-4)
+    t32 = tuple(t.astype(jnp.float32) for t in ts)
+    _close(jax.jvp(g, diff, ts)[1], jax.jvp(g32, diff32, t32)[1], 1e-4)
     # vmap of the Hessian-vector product over two tangents.
     tb = [jnp.stack([t, -t]) for t in ts]
     vh = jax.vmap(lambda *t: jax.jvp(g, diff, t)[1])(*tb)
@@ -432,11 +434,13 @@ def test_numerical_second_order_float64_xla(spec):
 @pytest.mark.skipif(derivatives.FORWARD_MODE, reason="jax >= 0.12 has forward mode")
 @pytest.mark.parametrize("spec,ex,impl,dt", _cases(SPECS, with_dtype=False, first_only=True))
 def test_forward_mode_error_and_grad_of_grad_on_old_jax(spec, ex, impl, dt):
-    """Before jax 0.12: jvp raises NotImplementedError naming the op; grad of grad still works."""
+    """Before jax 0.12: jvp raises NotImplementedError naming the op, eagerly and under jit;
+    grad of grad and forward over reverse (a Hessian-vector product) still work."""
     f, diff, f32, diff32 = _fwd_setup(spec, ex, impl, dt)
     if "custom_vjp" in str(jax.make_jaxpr(f)(*diff)):
-        with pytest.raises(NotImplementedError, match=rf"jaxbwd\.{spec.name}: forward-mode"):
-            jax.jvp(f, diff, tuple(_tangents(diff)))
+        for t in (lambda g: g, jax.jit):
+            with pytest.raises(NotImplementedError, match=rf"jaxbwd\.{spec.name}: forward-mode"):
+                t(lambda *d: jax.jvp(f, d, tuple(_tangents(diff))))(*diff)
     else:  # an op written in plain jnp (no custom derivative) has JAX's own forward mode
         ts = _tangents(diff)
         _close(jax.jvp(f, diff, ts)[1], jax.jvp(f32, diff32, tuple(t.astype(jnp.float32) for t in ts))[1], TOL[dt])
@@ -447,6 +451,8 @@ def test_forward_mode_error_and_grad_of_grad_on_old_jax(spec, ex, impl, dt):
     gg = jax.grad(lambda *d: sum(jnp.vdot(a.astype(jnp.float32), t) for a, t in zip(g(*d), ts)), argnums=argnums)
     gg32 = jax.grad(lambda *d: sum(jnp.vdot(a, t) for a, t in zip(g32(*d), ts)), argnums=argnums)
     _close(gg(*diff), gg32(*diff32), 1e-4)
+    t32 = tuple(t.astype(jnp.float32) for t in ts)
+    _close(jax.jvp(g, diff, ts)[1], jax.jvp(g32, diff32, t32)[1], 1e-4)
 
 
 @pytestmark_fwd

@@ -45,8 +45,11 @@ through their formulas, as ``*_double_grad`` ops do. First-order derivatives sti
 the kernels.
 
 On JAX < 0.12 the hijax API is absent: ops are plain ``jax.custom_vjp`` (reverse mode,
-including the kernel path's second order, unchanged) and forward mode raises a
-``NotImplementedError`` naming the op and the transformation.
+including the kernel path's second order, unchanged, and forward over reverse:
+``jax.hessian`` and ``jax.jvp`` of ``jax.grad`` differentiate the rules themselves) and
+``jax.jvp``/``jax.jacfwd`` of an op raise a ``NotImplementedError`` naming it, under
+``jit`` too. ``jax.linearize`` traces as reverse mode does, so it fails only when its linear
+function is applied, with JAX's own TypeError for ``custom_vjp`` functions.
 
 Each op file declares rules with the ``jax.custom_vjp`` spelling plus one tangent rule,
 and never sees which mechanism runs them::
@@ -90,6 +93,19 @@ FORWARD_MODE = _HAVE_HIJAX
 """Whether forward-mode derivatives (jvp, linearize, jacfwd, hessian) are available."""
 
 _FORWARD_MODE_WHAT = "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)"
+
+
+def _jvp_of_op(dyn) -> bool:
+    """Whether an op without a tangent rule (``jax.custom_vjp`` on jax < 0.12) is being
+    pushed forward: an argument is a ``jax.jvp`` tracer. With JAX's direct linearization
+    (its default) reverse mode and ``jax.linearize`` trace with LinearizeTracers, so a
+    JVPTracer means jvp or jacfwd; forward over reverse (``jax.hessian``) wraps the jvp
+    tracer inside the reverse one and works."""
+    if not getattr(jax.config, "jax_use_direct_linearize", False):
+        return False  # reverse mode also runs through JVPTrace: leave it to JAX
+    from jax.interpreters import ad
+
+    return any(isinstance(a, ad.JVPTracer) for a in dyn)
 _FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
 
 
@@ -528,13 +544,17 @@ class custom_op:
         f = jax.custom_vjp(primal)
         avals = [None if a is None else jax.typeof(a) for a in dyn]
         f.defvjp(rules.fwd, lambda res, ct: tuple(S.typed_like(c, a) for c, a in zip(rules.bwd(res, ct), avals)))
+        error = NotImplementedError(
+            f"jaxbwd.{self.name}: forward-mode differentiation (jax.jvp, jax.jacfwd) needs jax >= 0.12, "
+            f"got jax {jax.__version__}; reverse mode (jax.grad, jax.vjp, grad of grad) and forward over "
+            "reverse (jax.hessian, jax.jvp of jax.grad) work")
+        if _jvp_of_op(dyn):
+            # Said here, while tracing: under jit JAX would fail only when it compiles the
+            # staged jvp, with its generic TypeError for custom_vjp functions.
+            raise error
         try:
             return f(*dyn)
         except TypeError as e:
             if any(m in str(e) for m in _FORWARD_MODE_ERRORS):
-                raise NotImplementedError(
-                    f"jaxbwd.{self.name}: forward-mode differentiation (jax.jvp, jax.linearize, "
-                    f"jax.jacfwd, jax.hessian) needs jax >= 0.12, got jax {jax.__version__}; "
-                    "reverse mode (jax.grad, jax.vjp, grad of grad) works"
-                ) from e
+                raise error from e
             raise
