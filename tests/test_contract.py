@@ -7,6 +7,8 @@ scan; 5 lowering for CUDA at realistic shapes with the Triton kernels in the mod
 """
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -242,6 +244,28 @@ def test_strict_dtype_promotion(spec, ex, impl, dt):
         if derivatives.FORWARD_MODE:
             _, t = jax.eval_shape(lambda *d: jax.jvp(f, d, d), *diff)
             assert t.dtype == out.dtype
+
+
+@pytest.mark.parametrize("mode", ["rank-raise", "x64-strict"])
+@pytest.mark.parametrize("spec,ex,impl,dt", [c for c in _cases(SPECS, first_only=True) if c.values[3] == "float32"])
+def test_strict_user_settings(spec, ex, impl, dt, mode):
+    """The op traces under the strict settings a user may turn on, as JAX's own ops do:
+    ``jax.numpy_rank_promotion("raise")`` (every broadcast inside an op is of equal ranks)
+    and ``jax_enable_x64`` with strict dtype promotion (index arithmetic never mixes int32
+    with x64's int64). Forward, VJP and, with forward mode, JVP, lowered with the kernel
+    bodies traced (interpret mode), nothing run."""
+    with contextlib.ExitStack() as stack, config.use(interpret=True):
+        if mode == "x64-strict":  # the arguments made under x64 too: int64 labels, ids, positions
+            stack.enter_context(jax.enable_x64(True))
+        args, kwargs = _setup(spec, ex, dt)
+        diff = [args[i] for i in spec.diff_argnums]
+        f = _closure(spec.fn, spec, args, kwargs, impl)
+        ct = _cotangent(jax.eval_shape(f, *diff))
+        stack.enter_context(jax.numpy_rank_promotion("raise") if mode == "rank-raise"
+                            else jax.numpy_dtype_promotion("strict"))
+        jax.jit(lambda *d: jax.vjp(f, *d)[1](ct)).lower(*diff)
+        if derivatives.FORWARD_MODE and spec.forward_mode:
+            jax.jit(lambda *d: jax.jvp(f, d, d)).lower(*diff)
 
 
 def _lowering_cases():

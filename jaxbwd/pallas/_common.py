@@ -143,8 +143,8 @@ def as_2d(op: str, shape: Sequence[int]) -> tuple[int, int]:
 
 def tile_index(block_row, block_col, t: RowTiling):
     """Row and column indices and the in-bounds mask of tile (block_row, block_col)."""
-    rows = block_row * t.block_rows + jnp.arange(t.block_rows)
-    cols = block_col * t.block_cols + jnp.arange(t.block_cols)
+    rows = block_row * t.block_rows + jnp.arange(t.block_rows, dtype=jnp.int32)
+    cols = block_col * t.block_cols + jnp.arange(t.block_cols, dtype=jnp.int32)
     mask = (rows[:, None] < t.n_rows) & (cols[None, :] < t.n_cols)
     return rows, cols, mask
 

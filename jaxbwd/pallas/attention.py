@@ -228,7 +228,7 @@ def _logits(d: Dims, q, k):
 
 def _tile(ref, b, L, rows, head, H, Hp, rmask):
     """Tile [len(rows), Hp] of head ``head`` from a [B*L, heads*H] view, native dtype."""
-    hc = jnp.arange(Hp)
+    hc = jnp.arange(Hp, dtype=jnp.int32)
     idx = ((b * L + rows)[:, None], (head * H + hc)[None, :])
     mask = rmask[:, None] & (hc < H)[None, :]
     return idx, mask, C.load(ref, idx, mask, dtype=ref.dtype)
@@ -244,7 +244,7 @@ def _query_block(d: Dims, bq: int):
     if d.causal:
         i = C.cdiv(d.T, bq) - 1 - i
     b, n = bh // d.N, bh % d.N
-    rows = i * bq + jnp.arange(bq)
+    rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
     return i, bh, b, n, n // d.G, rows, rows < d.T
 
 
@@ -268,7 +268,7 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
-        cols = j * bk + jnp.arange(bk)
+        cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
@@ -346,7 +346,7 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
     j, bkh = pl.program_id(0), pl.program_id(1)
     b, kvh = bkh // d.K, bkh % d.K
-    cols = j * bk + jnp.arange(bk)
+    cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
     cmask = cols < d.S
     kv_idx, kv_mask, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
     _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
@@ -358,7 +358,7 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
 
         def body(i, carry, masked: bool):
             dk, dv = carry
-            rows = i * bq + jnp.arange(bq)
+            rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
             rmask = rows < d.T
             _, _, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
             _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
@@ -396,7 +396,7 @@ def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
     def body(j, dq, masked: bool):
-        cols = j * bk + jnp.arange(bk)
+        cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
@@ -469,7 +469,7 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
 
     def body(j, carry):
         acc, rs = carry
-        cols = j * bk + jnp.arange(bk)
+        cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
         _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)

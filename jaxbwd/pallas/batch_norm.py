@@ -31,7 +31,7 @@ from jaxbwd.pallas import elementwise as E
 
 def _reduce_kernel(x_ref, dy_ref, mean_ref, rstd_ref, sdy_ref, sdyx_ref, *, t: C.RowTiling, n_iter: int, G: int):
     j, g = pl.program_id(0), pl.program_id(1)
-    cols = j * t.block_cols + jnp.arange(t.block_cols)
+    cols = j * t.block_cols + jnp.arange(t.block_cols, dtype=jnp.int32)
     cmask = cols < t.n_cols
     mean = C.load(mean_ref, cols, cmask)[None, :]
     rstd = C.load(rstd_ref, cols, cmask)[None, :]

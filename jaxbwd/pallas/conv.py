@@ -115,7 +115,7 @@ def _wgrad_kernel(x_ref, dy_ref, dw_ref, *, geo: ConvGeometry, BK: int, BI: int,
     if geo.depthwise:
         nbo = C.cdiv(geo.Cout, BO)
         tap, bo = C.idiv(pid, nbo), C.imod(pid, nbo)
-        co = bo * BO + jnp.arange(BO)
+        co = bo * BO + jnp.arange(BO, dtype=jnp.int32)
         omask = co < geo.Cout
         xcols = C.idiv(co, geo.Cog)  # the input channel each output channel reads
         acc = jnp.zeros((BO,), jnp.float32)
@@ -124,8 +124,8 @@ def _wgrad_kernel(x_ref, dy_ref, dw_ref, *, geo: ConvGeometry, BK: int, BI: int,
         per_tap = geo.groups * nbi * nbo
         tap, rest = C.idiv(pid, per_tap), C.imod(pid, per_tap)
         g, bi, bo = C.idiv(rest, nbi * nbo), C.imod(C.idiv(rest, nbo), nbi), C.imod(rest, nbo)
-        ci = bi * BI + jnp.arange(BI)
-        co = bo * BO + jnp.arange(BO)
+        ci = bi * BI + jnp.arange(BI, dtype=jnp.int32)
+        co = bo * BO + jnp.arange(BO, dtype=jnp.int32)
         imask, omask = ci < geo.Cig, co < geo.Cog
         xcols, ycols = g * geo.Cig + ci, g * geo.Cog + co
         acc = jnp.zeros((BI, BO), jnp.float32)
@@ -133,7 +133,7 @@ def _wgrad_kernel(x_ref, dy_ref, dw_ref, *, geo: ConvGeometry, BK: int, BI: int,
     n_pix = geo.N * geo.Ho * geo.Wo
 
     def body(it, acc):
-        pix = (s + it * S) * BK + jnp.arange(BK)
+        pix = (s + it * S) * BK + jnp.arange(BK, dtype=jnp.int32)
         n, p, q = C.idiv(pix, geo.Ho * geo.Wo), C.imod(C.idiv(pix, geo.Wo), geo.Ho), C.imod(pix, geo.Wo)
         hi = p * geo.sh - geo.pt + a * geo.dh
         wi = q * geo.sw - geo.pl + b * geo.dw
@@ -216,18 +216,18 @@ def _dgrad_kernel(dy_ref, w_ref, dx_ref, *, geo: ConvGeometry, BM: int, BI: int,
     dt = dy_ref.dtype
     rh, rw = C.idiv(phase, geo.sw), C.imod(phase, geo.sw)
     Hp, Wp = C.cdiv(geo.H, geo.sh), C.cdiv(geo.W, geo.sw)
-    m = mb * BM + jnp.arange(BM)
+    m = mb * BM + jnp.arange(BM, dtype=jnp.int32)
     n, i, j = C.idiv(m, Hp * Wp), C.imod(C.idiv(m, Wp), Hp), C.imod(m, Wp)
     h, w = rh + geo.sh * i, rw + geo.sw * j
     pmask = (m < geo.N * Hp * Wp) & (h < geo.H) & (w < geo.W)
     if geo.depthwise:
-        ci = cb * BI + jnp.arange(BI)  # over all Cin channels
+        ci = cb * BI + jnp.arange(BI, dtype=jnp.int32)  # over all Cin channels
         cmask = ci < geo.Cin
         dxcols = ci
     else:
         nbi = C.cdiv(geo.Cig, BI)
         g, bi = C.idiv(cb, nbi), C.imod(cb, nbi)
-        ci = bi * BI + jnp.arange(BI)
+        ci = bi * BI + jnp.arange(BI, dtype=jnp.int32)
         cmask = ci < geo.Cig
         dxcols = g * geo.Cig + ci
     # Non-negative shifts so that % and // act on non-negative numbers.
@@ -272,7 +272,7 @@ def _dgrad_kernel(dy_ref, w_ref, dx_ref, *, geo: ConvGeometry, BM: int, BI: int,
 
         def k_body(kk, acc):  # one flat K loop over (tap, output-channel block)
             t, valid, yrow = tap_rows(C.idiv(kk, n_cob))
-            co = C.imod(kk, n_cob) * BO + jnp.arange(BO)
+            co = C.imod(kk, n_cob) * BO + jnp.arange(BO, dtype=jnp.int32)
             omask = co < geo.Cog
             cols = g * geo.Cog + co
             yt = _load(dy_ref, (yrow[:, None], cols[None, :]), valid[:, None] & omask[None, :], dt)
@@ -282,7 +282,7 @@ def _dgrad_kernel(dy_ref, w_ref, dx_ref, *, geo: ConvGeometry, BM: int, BI: int,
         acc = lax.fori_loop(0, n_taps * n_cob, k_body, jnp.zeros((BM, BI), jnp.float32))
     # Masked lanes get distinct out-of-range rows: interpret mode emulates a masked store as a
     # read-select-scatter, where a masked lane aliasing a real one could write a stale value.
-    xrow = jnp.where(pmask, (n * geo.H + h) * geo.W + w, geo.N * geo.H * geo.W + jnp.arange(BM))
+    xrow = jnp.where(pmask, (n * geo.H + h) * geo.W + w, geo.N * geo.H * geo.W + jnp.arange(BM, dtype=jnp.int32))
     C.store(dx_ref, (xrow[:, None], dxcols[None, :]), acc, pmask[:, None] & cmask[None, :])
 
 

@@ -77,20 +77,20 @@ def plan(keys, num_rows: int):
 
 
 def _scalar(ref, i):
-    one = jnp.arange(1)
-    return jnp.sum(C.load(ref, i + one, one >= 0, other=0, dtype=jnp.int32))
+    one = jnp.arange(1, dtype=jnp.int32)
+    return jnp.sum(C.load(ref, i + one, one >= 0, other=0, dtype=jnp.int32), dtype=jnp.int32)
 
 
 def _items_kernel(order_ref, end_ref, row_ref, slot_ref, dy_ref, _dt_in, _part_in, dt_ref, part_ref, *, n_cols: int,
                   block_cols: int):
     i, j = pl.program_id(0), pl.program_id(1)
-    cols = j * block_cols + jnp.arange(block_cols)
+    cols = j * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
     cmask = cols < n_cols
     start, end = i, _scalar(end_ref, i)
     row, slot = _scalar(row_ref, i), _scalar(slot_ref, i)
 
     def body(c, acc):
-        idx = start + c * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS)
+        idx = start + c * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
         tmask = idx < end
         tok = C.load(order_ref, idx, tmask, other=0, dtype=jnp.int32)
         return acc + jnp.sum(C.load(dy_ref, (tok[:, None], cols[None, :]), tmask[:, None] & cmask[None, :]), axis=0)
@@ -104,7 +104,7 @@ def _items_kernel(order_ref, end_ref, row_ref, slot_ref, dy_ref, _dt_in, _part_i
 
 def _hot_kernel(start_ref, row_ref, count_ref, part_ref, _, dt_ref, *, n_cols: int, block_cols: int):
     h, j = pl.program_id(0), pl.program_id(1)
-    cols = j * block_cols + jnp.arange(block_cols)
+    cols = j * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
     cmask = cols < n_cols
     start, row, count = _scalar(start_ref, h), _scalar(row_ref, h), _scalar(count_ref, h)
 

@@ -35,7 +35,7 @@ from jaxbwd.pallas import _tuning
 
 def _chunk(x_ref, dy_ref, w, b, mean, rstd, n, k, i, *, S, rows_per_program, block_s, cols, cmask, silu):
     """Tile i of program (n, k): its rows of [N*S, C], mask, x_hat and dz (f32)."""
-    s = k * rows_per_program + i * block_s + jnp.arange(block_s)
+    s = k * rows_per_program + i * block_s + jnp.arange(block_s, dtype=jnp.int32)
     mask = (s[:, None] < jnp.minimum((k + 1) * rows_per_program, S)) & cmask[None, :]
     rows = n * S + s
     x = C.load_tile(x_ref, rows, cols, mask)
@@ -60,7 +60,7 @@ def _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu):
 def _sums_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, sdz_ref, sdzx_ref, *, S, Cc, K, rows_per_program,
                  block_s, block_c, silu):
     n, k = pl.program_id(0), pl.program_id(1)
-    cols = jnp.arange(block_c)
+    cols = jnp.arange(block_c, dtype=jnp.int32)
     cmask = cols < Cc
     w, b, mean, rstd = _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu)
     chunk = functools.partial(_chunk, x_ref, dy_ref, w, b, mean, rstd, n, k, S=S, rows_per_program=rows_per_program,
@@ -79,7 +79,7 @@ def _sums_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, sdz_ref, sdzx_
 def _dx_kernel(x_ref, w_ref, b_ref, dy_ref, mean_ref, rstd_ref, c1_ref, c2_ref, dx_ref, *, S, Cc, rows_per_program,
                block_s, block_c, silu):
     n, k = pl.program_id(0), pl.program_id(1)
-    cols = jnp.arange(block_c)
+    cols = jnp.arange(block_c, dtype=jnp.int32)
     cmask = cols < Cc
     w, b, mean, rstd = _params(w_ref, b_ref, mean_ref, rstd_ref, n, cols, cmask, silu)
     c1 = C.load(c1_ref, (n, cols), cmask)[None, :]

@@ -25,7 +25,7 @@ def _column_sum_kernel(*refs, t: C.RowTiling, n_iter: int, G: int, transform):
 
     def body(it, acc):
         _, cols, mask = C.tile_index(g + it * G, j, t)
-        rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows)
+        rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows, dtype=jnp.int32)
         tile = C.load_tile(dy_ref, rows, cols, mask)
         if transform is not None:  # out-of-bounds lanes stay 0 in the sum, whatever transform(0) is
             tile = jnp.where(mask, transform(*extra, rows, cols, tile), 0.0)
@@ -33,7 +33,7 @@ def _column_sum_kernel(*refs, t: C.RowTiling, n_iter: int, G: int, transform):
         return acc + jnp.sum(tile, axis=0)
 
     acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((t.block_cols,), jnp.float32))
-    cols = j * t.block_cols + jnp.arange(t.block_cols)
+    cols = j * t.block_cols + jnp.arange(t.block_cols, dtype=jnp.int32)
     C.store(out_ref, (g, cols), acc, cols < t.n_cols)
 
 

@@ -137,7 +137,7 @@ def _logit_tile(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, bt: int, bv: in
     """The f32 logit tile [bt, bv] (soft-capped) and, under a softcap, ``t = tanh(z / c)``."""
 
     def body(k, acc):
-        dc = k * bd + jnp.arange(bd)
+        dc = k * bd + jnp.arange(bd, dtype=jnp.int32)
         dmask = dc < d.D
         xt = _x_tile(x_ref, rows, rmask, dc, dmask)
         wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
@@ -154,7 +154,7 @@ def _logit_tile(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, bt: int, bv: in
 def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims, bt: int, bv: int, bd: int,
                 per_split: int, with_sum: bool):
     i, sp = pl.program_id(0), pl.program_id(1)
-    rows = i * bt + jnp.arange(bt)
+    rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
     rmask = rows < d.R
     # Labels arrive validated: -1 marks an ignored token or a label on another shard.
     lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
@@ -162,7 +162,7 @@ def _fwd_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, xl_ref, sx_ref, *, d: Dims,
 
     def body(j, carry):
         m, s, xl, sx = carry
-        cols = j * bv + jnp.arange(bv)
+        cols = j * bv + jnp.arange(bv, dtype=jnp.int32)
         cmask = cols < d.V
         z, _ = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
         z = jnp.where(cmask[None, :], z, NEG_INF)
@@ -224,7 +224,7 @@ def combine_splits(m, s, xl, sx, *, reduce_max=None, reduce_sum=None):
     rsum = reduce_sum or (lambda v: jnp.sum(v, axis=0))
     mg = rmax(m)
     shift = C.finite_or_zero(mg)
-    s = rsum(jnp.where(s > 0, s * jnp.exp(m - shift), 0.0))
+    s = rsum(jnp.where(s > 0, s * jnp.exp(m - jnp.broadcast_to(shift, m.shape)), 0.0))
     return mg, s, rsum(xl), rsum(sx)
 
 
@@ -296,17 +296,17 @@ def _accumulate(ref, idx, mask, value, first: bool, lo=None):
 def _dx_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dx_ref, *lo_ref, d: Dims, bt: int, bv: int,
                bd: int):
     i = pl.program_id(0)
-    rows = i * bt + jnp.arange(bt)
+    rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
     rmask = rows < d.R
     terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
 
     def step(j, first: bool):
-        cols = j * bv + jnp.arange(bv)
+        cols = j * bv + jnp.arange(bv, dtype=jnp.int32)
         cmask = cols < d.V
         dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
 
         def chunk(k, carry):
-            dc = k * bd + jnp.arange(bd)
+            dc = k * bd + jnp.arange(bd, dtype=jnp.int32)
             dmask = dc < d.D
             wt = _w_tile(d, w_ref, dc, dmask, cols, cmask)
             contrib = C.dot(dz, wt, trans_b=not d.transpose_w)  # [bt, bd]
@@ -343,7 +343,7 @@ def _dw_programs(d: Dims, bv: int, cfg, mode: str) -> int:
 def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab_ref, d: Dims, bt: int, bv: int,
                bd: int, G: int, mode: str):
     g = pl.program_id(0)
-    lc = jnp.arange(bv)
+    lc = jnp.arange(bv, dtype=jnp.int32)
     nd = C.cdiv(d.D, bd)
 
     def slab_index(dc):
@@ -363,13 +363,13 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab
             return (dc[:, None], cols[None, :]), dmask[:, None] & cmask[None, :]
 
         def step(i, first: bool):
-            rows = i * bt + jnp.arange(bt)
+            rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
             rmask = rows < d.R
             terms = _row_terms(d, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask)
             dz = _dlogits(d, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, x_ref.dtype)
 
             def chunk(k, carry):
-                dc = k * bd + jnp.arange(bd)
+                dc = k * bd + jnp.arange(bd, dtype=jnp.int32)
                 dmask = dc < d.D
                 xt = _x_tile(x_ref, rows, rmask, dc, dmask)
                 # [bv, bd] rows of the table, or [bd, bv] columns of the kernel
@@ -394,7 +394,7 @@ def _dw_kernel(x_ref, w_ref, lab_ref, m_ref, s_ref, g_ref, gl_ref, dw_ref, *slab
 
         if mode == "f32_temp":
             def write(k, carry):  # the finished block, in w's dtype
-                dc = k * bd + jnp.arange(bd)
+                dc = k * bd + jnp.arange(bd, dtype=jnp.int32)
                 idx, mask = out_index(dc, dc < d.D)
                 C.store(dw_ref, idx, C.load(slab_ref[0], slab_index(dc), mask), mask)
                 return carry

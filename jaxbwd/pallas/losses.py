@@ -95,7 +95,7 @@ def _ce_fwd_kernel(x_ref, lab_ref, *refs, t: C.RowTiling, grad: bool, with_sum: 
     else:
         m_ref, s_ref, xl_ref, sx_ref = refs
     rb = pl.program_id(0)
-    rows = rb * t.block_rows + jnp.arange(t.block_rows)
+    rows = rb * t.block_rows + jnp.arange(t.block_rows, dtype=jnp.int32)
     rmask = rows < t.n_rows
     # Labels arrive already validated: -1 marks an ignored row, or a label on another shard.
     lab = C.load(lab_ref, rows, rmask, other=-1, dtype=jnp.int32)
@@ -229,7 +229,7 @@ def cross_entropy_grad(logits, labels, m, s, weights, *, label_smoothing: float 
 
 def _ce_bwd_kernel(d_ref, g_ref, out_ref, *, t: C.RowTiling):
     rb = pl.program_id(0)
-    rows = rb * t.block_rows + jnp.arange(t.block_rows)
+    rows = rb * t.block_rows + jnp.arange(t.block_rows, dtype=jnp.int32)
     rmask = rows < t.n_rows
     g = C.load(g_ref, rows, rmask, other=1.0)
     in_place = d_ref.dtype == out_ref.dtype

@@ -43,7 +43,7 @@ def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_ite
     j, g = pl.program_id(0), pl.program_id(1)
     n_chunks = t.num_col_blocks
     inv_d = 1.0 / t.n_cols
-    cols = j * t.block_cols + jnp.arange(t.block_cols)
+    cols = j * t.block_cols + jnp.arange(t.block_cols, dtype=jnp.int32)
     cmask = cols < t.n_cols
     # The weight chunk is the same for every row: held in registers when the row is one chunk
     # (with several chunks the registers go to the other chunks' sums; w then comes from L1).
@@ -52,7 +52,7 @@ def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_ite
 
     def chunk_sums(rows, rmask, mean, rstd, jj):
         """Row sums of x_hat * wdy (and wdy) over another column chunk ``jj`` of the rows."""
-        c = jj * t.block_cols + jnp.arange(t.block_cols)
+        c = jj * t.block_cols + jnp.arange(t.block_cols, dtype=jnp.int32)
         m = rmask[:, None] & (c < t.n_cols)[None, :]
         xh = (C.load_tile(x_ref, rows, c, m) - mean) * rstd
         wdy = (C.load(w_ref, c, c < t.n_cols) + offset)[None, :] * C.load_tile(dy_ref, rows, c, m)
@@ -60,7 +60,7 @@ def _norm_bwd_kernel(*refs, t: C.RowTiling, offset: float, centered: bool, n_ite
         return s + (jnp.sum(wdy, axis=1),) if centered else s
 
     def row_block(it, acc):
-        rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows)
+        rows = (g + it * G) * t.block_rows + jnp.arange(t.block_rows, dtype=jnp.int32)
         rmask = rows < t.n_rows
         mask = rmask[:, None] & cmask[None, :]
         rstd = C.load(rstd_ref, rows, rmask)[:, None]

@@ -24,7 +24,7 @@ from jaxbwd.pallas import _common as C
 def _kernel(sel_ref, dy_ref, dx_ref, *, H, W, Cc, Ho, Wo, window, strides, pad_lo, block_cols):
     r = pl.program_id(0)
     n, h = C.idiv(r, H), C.imod(r, H)
-    cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+    cols = pl.program_id(1) * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
     cmask = cols < W * Cc
     w, c = C.idiv(cols, Cc), C.imod(cols, Cc)
     qh, qw = h + pad_lo[0], w + pad_lo[1]

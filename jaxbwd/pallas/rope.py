@@ -33,8 +33,8 @@ HEAD_TILE = 2048
 
 def _rope_bwd_kernel(dy_ref, pos_ref, freq_ref, dx_ref, *, n_pos: int, heads: int, head_dim: int,
                      block_pos: int, block_half: int, interleaved: bool):
-    p = pl.program_id(0) * block_pos + jnp.arange(block_pos)
-    k = jnp.arange(block_half)  # pair index
+    p = pl.program_id(0) * block_pos + jnp.arange(block_pos, dtype=jnp.int32)
+    k = jnp.arange(block_half, dtype=jnp.int32)  # pair index
     pmask = p < n_pos
     kmask = k < head_dim // 2
     mask = pmask[:, None] & kmask[None, :]
@@ -43,7 +43,7 @@ def _rope_bwd_kernel(dy_ref, pos_ref, freq_ref, dx_ref, *, n_pos: int, heads: in
     cos, sin = jnp.cos(ang), jnp.sin(ang)
 
     if interleaved:
-        c = jnp.arange(2 * block_half)
+        c = jnp.arange(2 * block_half, dtype=jnp.int32)
         full = pmask[:, None] & (c < head_dim)[None, :]
 
         def head(n, carry):

@@ -58,8 +58,8 @@ def _gather(src, out_rows: int, out_cols: int, index, *, name: str, interpret: b
 
 
 def _unshuffle2_kernel(dy_ref, out_ref, *, n_pix: int, H: int, W: int, Cc: int, block_rows: int, block_c: int):
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
-    c = pl.program_id(1) * block_c + jnp.arange(block_c)
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    c = pl.program_id(1) * block_c + jnp.arange(block_c, dtype=jnp.int32)
     rmask = rows < n_pix
     n, h, w = C.idiv(rows, H * W), C.imod(C.idiv(rows, W), H), C.imod(rows, W)
     mask = rmask[:, None] & (c < Cc)[None, :]
@@ -71,7 +71,7 @@ def _unshuffle2_kernel(dy_ref, out_ref, *, n_pix: int, H: int, W: int, Cc: int, 
     # dx channel 4c + 2i + j: the four taps interleaved in registers (two pairwise joins:
     # i inner, j outer, so that j varies fastest).
     v = jnp.stack([jnp.stack([tap(0, 0), tap(1, 0)], axis=-1), jnp.stack([tap(0, 1), tap(1, 1)], axis=-1)], axis=-1)
-    k = pl.program_id(1) * 4 * block_c + jnp.arange(4 * block_c)
+    k = pl.program_id(1) * 4 * block_c + jnp.arange(4 * block_c, dtype=jnp.int32)
     C.store_tile(out_ref, rows, k, v.reshape(block_rows, 4 * block_c), rmask[:, None] & (k < 4 * Cc)[None, :])
 
 
@@ -108,8 +108,8 @@ def pixel_shuffle_bwd(dy, r: int, *, interpret: bool = False):
 
 def _patchify_kernel(dy_ref, out_ref, *, n_tok: int, T: int, gw: int, p: int, seg: int, block_rows: int,
                      block_seg: int, Ho: int):
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
-    k = jnp.arange(block_seg)
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    k = jnp.arange(block_seg, dtype=jnp.int32)
     mask = (rows < n_tok)[:, None] & (k < seg)[None, :]
     n, tok = C.idiv(rows, T), C.imod(rows, T)
     gi, gj = C.idiv(tok, gw), C.imod(tok, gw)

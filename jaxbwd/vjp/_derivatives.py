@@ -145,6 +145,20 @@ def _interpreted_under_vma(name: str, what: str, rule: Callable) -> Callable:
     return checked
 
 
+def _ranks_allowed(rule: Callable) -> Callable:
+    """``rule`` traced under JAX's default rank promotion, whatever the caller's
+    ``jax_numpy_rank_promotion`` ("raise" or "warn" is a check on the caller's own code, as
+    jax.nn's and flax's functions ignore it; the rules broadcast per-row and per-channel
+    vectors against their tiles as numpy does). Every trace of the rule, its XLA twin's JVP
+    included, runs through this."""
+    @functools.wraps(rule)
+    def traced(*args):
+        with jax.numpy_rank_promotion("allow"):
+            return rule(*args)
+
+    return traced
+
+
 def _differentiable(rule: Callable, nondiff: tuple) -> Callable:
     """``rule(*nondiff, ...)`` whose own derivative, on the Pallas path, is the XLA rule's.
 
@@ -501,12 +515,12 @@ class custom_op:
         n = len(nondiff)
         # fun and fwd take the full argument list; bwd and tangent take nondiff args first.
         full = lambda f: (lambda *a: f(*self._full(a[:n], a[n:])))
-        primal = functools.partial(full(self.fun), *nondiff)
-        fwd = _differentiable(full(self.fwd), nondiff)
-        bwd = _differentiable(self.bwd, nondiff)
+        primal = functools.partial(full(_ranks_allowed(self.fun)), *nondiff)
+        fwd = _differentiable(full(_ranks_allowed(self.fwd)), nondiff)
+        bwd = _differentiable(_ranks_allowed(self.bwd), nondiff)
         tangent = None
         if self.tangent is not None:
-            rule = self.tangent
+            rule = _ranks_allowed(self.tangent)
             tangent = _differentiable(lambda *a: rule(*a[:n], a[n], *a[n + 1]), nondiff)
         return _Rules(self.name, primal, fwd, bwd, tangent)
 

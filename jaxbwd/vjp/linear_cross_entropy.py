@@ -125,7 +125,7 @@ def _xla_partials(cfg, x2, w, lab, V):
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         shift = PC.finite_or_zero(m_new)
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(z - shift[:, None]), axis=1)
-        xl = xl + jnp.sum(jnp.where((cols == lab[:, None]) & fresh[None, :], z, 0.0), axis=1)
+        xl = xl + jnp.sum(jnp.where((cols.astype(lab.dtype) == lab[:, None]) & fresh[None, :], z, 0.0), axis=1)
         if cfg.eps:
             sx = sx + jnp.sum(jnp.where(fresh[None, :], z * (1.0 / cfg.n_classes), 0.0), axis=1)
         return (m_new, s, xl, sx), None
@@ -153,7 +153,7 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
     def body(carry, j):
         dx, dw = carry
         start, cols, fresh, wc, z, t = _chunk(cfg, x2, w, j, c, V, acc)
-        dz = jnp.exp(z - m0[:, None]) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
+        dz = jnp.exp(z - m0[:, None]) * a[:, None] - jnp.where(cols.astype(lab.dtype)[None, :] == lab[:, None], b[:, None], 0.0)
         if cfg.eps:
             dz = dz - cc[:, None]
         if t is not None:
@@ -250,7 +250,7 @@ def _lce_tangent(cfg, res, dx2, dw, _):
         dz = jnp.where(fresh[None, :], dz, 0.0)
         p = jnp.exp(z - m0[:, None]) * inv_s[:, None]
         dlse = dlse + jnp.sum(p * dz, axis=1)
-        dxl = dxl + jnp.sum(jnp.where(cols[None, :] == lab[:, None], dz, 0.0), axis=1)
+        dxl = dxl + jnp.sum(jnp.where(cols.astype(lab.dtype)[None, :] == lab[:, None], dz, 0.0), axis=1)
         if cfg.eps:
             dsx = dsx + jnp.sum(dz, axis=1) * (1.0 / cfg.n_classes)
         return (dlse, dxl, dsx), None

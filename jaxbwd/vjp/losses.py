@@ -92,7 +92,7 @@ def _xla_grad(x2, lab, m, s, w, eps, z, V):
     if z:
         scale = scale * (1.0 + 2.0 * z * _lse(m, safe))
     p = jnp.exp(xf - jnp.where(jnp.isfinite(m), m, 0.0)[:, None]) * scale[:, None]
-    onehot = jnp.arange(x2.shape[-1])[None, :] == lab[:, None]
+    onehot = jnp.arange(x2.shape[-1], dtype=lab.dtype)[None, :] == lab[:, None]
     d = p - jnp.where(onehot, 1.0 - eps, 0.0)
     if eps:
         d = d - eps / V
