@@ -20,7 +20,7 @@ import numpy as np
 from jaxbwd import sharding as S
 from jaxbwd.pallas import batch_norm as kernels
 from jaxbwd.vjp import _base as B
-from jaxbwd.vjp._derivatives import custom_op
+from jaxbwd.vjp._derivatives import FORWARD_MODE, custom_op
 
 
 def _cf(x):
@@ -179,6 +179,11 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
     names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
     def per_shard(x2, w, b, axes):
+        if names and not FORWARD_MODE:
+            # jax < 0.12 runs a custom_vjp's backward after vmap has unbound its axis name, so
+            # the backward's pmean over axis_name would fail there: autodiff of the same
+            # forward formula instead (what flax's BatchNorm does), the residuals autodiff's.
+            return _bn.fun(x2, w, b, eps, names + tuple(axes), impl)
         return _bn(x2, w, b, eps, (names + tuple(axes)) or None, impl)
 
     y = _restore(S.partitioned("rC,C,C->rC", per_shard, x2, weight, bias, axes_of="r"), xm, axis)
