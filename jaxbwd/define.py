@@ -53,7 +53,7 @@ class Op:
         self._sharding_inputs = None if sharding is None else _check_sharding(name, sharding, self._signature)
         # nondiff: (params, impl, avals); avals are the arguments' (shape, dtype, weak_type) as the rules
         # see them (per shard, per vmapped example), to hold the backward's cotangents to.
-        op = custom_op(self._primal, nondiff_argnums=(0, 1, 2), name=name)
+        op = custom_op(self._primal, nondiff_argnums=(0, 1, 2), name=name, allow_rank_promotion=False)
         op.defvjp(self._fwd, self._bwd)
         if tangent is not None or fwd is None:
             op.deftangent(self._tangent)

@@ -493,3 +493,25 @@ def test_jax_signature_bad_inputs(kw, error, match):
     with pytest.raises(error, match=match) as info:
         dot_product_attention(jnp.ones((1, 8, 4, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16)), **kw)
     assert "dot_product_attention" in str(info.value)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("mode", ["rank-raise", "x64-strict"])
+def test_lengths_and_windows_under_strict_user_settings(impl, mode):
+    """Sequence lengths and local windows (options the registry's first example leaves out)
+    trace under ``jax.numpy_rank_promotion("raise")`` and under x64 with strict dtype
+    promotion: forward, VJP and, with forward mode, JVP, lowered with the kernels traced."""
+    with contextlib.ExitStack() as stack, config.use(interpret=True):
+        if mode == "x64-strict":
+            stack.enter_context(jax.enable_x64(True))
+        q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 12, 2, 16), jnp.float32) for i in range(3))
+        cases = [dict(query_seq_lengths=jnp.array([12, 5]), key_value_seq_lengths=jnp.array([9, 12])),
+                 dict(local_window_size=(3, 0), is_causal=True),
+                 dict(key_value_seq_lengths=jnp.array([9, 12]), local_window_size=(2, 2))]
+        stack.enter_context(jax.numpy_rank_promotion("raise") if mode == "rank-raise"
+                            else jax.numpy_dtype_promotion("strict"))
+        for kw in cases:
+            f = lambda q, k, v: dot_product_attention(q, k, v, implementation=impl, **kw)  # noqa: E731
+            jax.jit(lambda *a: jax.vjp(f, *a)[1](jnp.ones_like(q))).lower(q, k, v)
+            if FORWARD_MODE:
+                jax.jit(lambda *a: jax.jvp(f, a, a)).lower(q, k, v)

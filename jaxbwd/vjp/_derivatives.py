@@ -93,20 +93,23 @@ FORWARD_MODE = _HAVE_HIJAX
 """Whether forward-mode derivatives (jvp, linearize, jacfwd, hessian) are available."""
 
 _FORWARD_MODE_WHAT = "forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd)"
+_FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
 
 
 def _jvp_of_op(dyn) -> bool:
-    """Whether an op without a tangent rule (``jax.custom_vjp`` on jax < 0.12) is being
-    pushed forward: an argument is a ``jax.jvp`` tracer. With JAX's direct linearization
-    (its default) reverse mode and ``jax.linearize`` trace with LinearizeTracers, so a
-    JVPTracer means jvp or jacfwd; forward over reverse (``jax.hessian``) wraps the jvp
-    tracer inside the reverse one and works."""
+    """Whether an op without a tangent rule (``jax.custom_vjp`` on jax < 0.12) is about to be
+    pushed forward: the innermost trace, the one that processes the call, is a ``jax.jvp``
+    trace owning an argument. With JAX's direct linearization (its default) reverse mode and
+    ``jax.linearize`` trace with LinearizeTraces, so that means jvp or jacfwd of the op.
+    Forward over reverse (``jax.hessian``, a mixed partial such as d/dw of grad_x) meets a
+    reverse trace first, which runs the fwd rule as plain, differentiable code."""
     if not getattr(jax.config, "jax_use_direct_linearize", False):
         return False  # reverse mode also runs through JVPTrace: leave it to JAX
+    from jax._src import core  # jax 0.10/0.11 only: this path never runs on jax >= 0.12
     from jax.interpreters import ad
 
-    return any(isinstance(a, ad.JVPTracer) for a in dyn)
-_FORWARD_MODE_ERRORS = ("can't apply forward-mode autodiff", "forward-mode differentiation")
+    trace = core.trace_ctx.trace
+    return isinstance(trace, ad.JVPTrace) and any(isinstance(a, ad.JVPTracer) and a._trace is trace for a in dyn)
 
 
 # ----------------------------------------------------------------- the XLA twin of a rule
@@ -487,8 +490,12 @@ class custom_op:
     ``lax.scan``, saves what the VJP saves).
     """
 
-    def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = (), name: Optional[str] = None):
+    def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = (), name: Optional[str] = None,
+                 allow_rank_promotion: bool = True):
         self.fun = fun
+        # jaxbwd's own rules trace under JAX's default rank promotion (_ranks_allowed); a
+        # user's rules (define_op) keep the caller's setting, which checks their code.
+        self._ranks = _ranks_allowed if allow_rank_promotion else (lambda rule: rule)
         self.nondiff_argnums = tuple(sorted(nondiff_argnums))
         self.name = name or fun.__name__.lstrip("_")  # the public op's name, for errors
         OP_NAMES.add(self.name)
@@ -515,12 +522,12 @@ class custom_op:
         n = len(nondiff)
         # fun and fwd take the full argument list; bwd and tangent take nondiff args first.
         full = lambda f: (lambda *a: f(*self._full(a[:n], a[n:])))
-        primal = functools.partial(full(_ranks_allowed(self.fun)), *nondiff)
-        fwd = _differentiable(full(_ranks_allowed(self.fwd)), nondiff)
-        bwd = _differentiable(_ranks_allowed(self.bwd), nondiff)
+        primal = functools.partial(full(self._ranks(self.fun)), *nondiff)
+        fwd = _differentiable(full(self._ranks(self.fwd)), nondiff)
+        bwd = _differentiable(self._ranks(self.bwd), nondiff)
         tangent = None
         if self.tangent is not None:
-            rule = _ranks_allowed(self.tangent)
+            rule = self._ranks(self.tangent)
             tangent = _differentiable(lambda *a: rule(*a[:n], a[n], *a[n + 1]), nondiff)
         return _Rules(self.name, primal, fwd, bwd, tangent)
 

@@ -585,15 +585,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                 qseg, kseg = jnp.zeros((Bsz, T), jnp.int32), jnp.zeros((Bsz, Skv), jnp.int32)
             else:
                 qseg, kseg = _rank_ids(qseg, kseg)
-            kseg = jnp.where(jnp.arange(Skv)[None] < kvlen[:, None], kseg, -1)
+            kseg = jnp.where(jnp.arange(Skv, dtype=kvlen.dtype)[None] < kvlen[:, None], kseg, -1)
         cfg = _Cfg(scale, kcausal, window, softcap, qseg is not None, impl)
         out = S.partitioned("bTnH,bSnH,bSnH,bT,bS->bTnH", lambda *a: _attention(*a, cfg), q, k, v, qseg, kseg)
         empty = None
         if lr is not None or kvlen is not None:
             # Row i's keys under jax.nn's masks form one interval [lo, hi]; empty when lo > hi.
-            t = jnp.arange(T)[None]
+            t = jnp.arange(T, dtype=jnp.int32)[None]
             lo = jnp.maximum(t - lr[0], 0) if lr is not None else jnp.zeros_like(t)
-            hi = jnp.full((1, T), Skv - 1)
+            hi = jnp.full((1, T), Skv - 1, jnp.int32)
             if causal:
                 hi = jnp.minimum(hi, t)
             if lr is not None:
@@ -604,5 +604,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if empty is not None:
         out = _mean_v_rows(out, v, empty)
     if qlen is not None:
-        out = jnp.where((jnp.arange(T)[None] < qlen[:, None])[:, :, None, None], out, jnp.zeros((), out.dtype))
+        valid = jnp.arange(T, dtype=qlen.dtype)[None] < qlen[:, None]
+        out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out

@@ -20,7 +20,7 @@ import numpy as np
 from jaxbwd import sharding as S
 from jaxbwd.pallas import batch_norm as kernels
 from jaxbwd.vjp import _base as B
-from jaxbwd.vjp._derivatives import FORWARD_MODE, custom_op
+from jaxbwd.vjp._derivatives import FORWARD_MODE, _ranks_allowed, custom_op
 
 
 def _cf(x):
@@ -183,7 +183,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
             # jax < 0.12 runs a custom_vjp's backward after vmap has unbound its axis name, so
             # the backward's pmean over axis_name would fail there: autodiff of the same
             # forward formula instead (what flax's BatchNorm does), the residuals autodiff's.
-            return _bn.fun(x2, w, b, eps, names + tuple(axes), impl)
+            return _ranks_allowed(_bn.fun)(x2, w, b, eps, names + tuple(axes), impl)
         return _bn(x2, w, b, eps, (names + tuple(axes)) or None, impl)
 
     y = _restore(S.partitioned("rC,C,C->rC", per_shard, x2, weight, bias, axes_of="r"), xm, axis)
