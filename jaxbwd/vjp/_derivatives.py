@@ -47,9 +47,11 @@ the kernels.
 On JAX < 0.12 the hijax API is absent: ops are plain ``jax.custom_vjp`` (reverse mode,
 including the kernel path's second order, unchanged, and forward over reverse:
 ``jax.hessian`` and ``jax.jvp`` of ``jax.grad`` differentiate the rules themselves) and
-``jax.jvp``/``jax.jacfwd`` of an op raise a ``NotImplementedError`` naming it, under
-``jit`` too. ``jax.linearize`` traces as reverse mode does, so it fails only when its linear
-function is applied, with JAX's own TypeError for ``custom_vjp`` functions.
+``jax.jvp``/``jax.jacfwd`` of an op raise a ``NotImplementedError`` naming it, also inside
+``jit``. Where JAX differentiates a whole transform around the op (``jax.jvp`` of a jitted,
+checkpointed or scanned function) and for ``jax.linearize``, which traces as reverse mode
+does, the error is JAX's own TypeError for ``custom_vjp`` functions, when the staged jvp
+is compiled or the linear function applied.
 
 Each op file declares rules with the ``jax.custom_vjp`` spelling plus one tangent rule,
 and never sees which mechanism runs them::

@@ -153,7 +153,8 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
     def body(carry, j):
         dx, dw = carry
         start, cols, fresh, wc, z, t = _chunk(cfg, x2, w, j, c, V, acc)
-        dz = jnp.exp(z - m0[:, None]) * a[:, None] - jnp.where(cols.astype(lab.dtype)[None, :] == lab[:, None], b[:, None], 0.0)
+        onehot = cols.astype(lab.dtype)[None, :] == lab[:, None]
+        dz = jnp.exp(z - m0[:, None]) * a[:, None] - jnp.where(onehot, b[:, None], 0.0)
         if cfg.eps:
             dz = dz - cc[:, None]
         if t is not None:
