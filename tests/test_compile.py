@@ -15,16 +15,10 @@ import pytest
 from jaxbwd import deviceless, registry
 
 KERNEL_OPS = [s.name for s in registry.ops() if s.has_kernels]
-# Kernels that spill registers today (stack bytes per thread, the worst registry case),
-# measured 2026-12-01 with `python -m jaxbwd compile` (bench/results/). Any other kernel
-# that starts to spill, or one of these that spills more, fails the gate; work on these
-# kernels shortens the list.
-KNOWN_SPILLS = {
-    # rope_bwd: not register spills; the 32-byte stack is libdevice sin/cos's buffer for the
-    # Payne-Hanek reduction of large angles (|angle| > 105615, positions past ~100k).
-    ("rope_bwd", "float32", "h200"): 32, ("rope_bwd", "bfloat16", "h200"): 32,
-    ("rope_bwd", "float32", "a100"): 32, ("rope_bwd", "bfloat16", "a100"): 32,
-}
+# Kernels allowed a stack (bytes per thread), keyed (kernel, dtype, gpu[, case]); any other
+# kernel that spills, or one of these that spills more, fails the gate. Empty since rope_bwd
+# took its sin/cos off libdevice (whose Payne-Hanek buffer was the last 32-byte stack).
+KNOWN_SPILLS: dict[tuple[str, ...], int] = {}
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
 EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd",
              "linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"}

@@ -463,6 +463,42 @@ def test_rope_llama3_scaling(impl):
     assert not np.allclose(out, plain[0])
 
 
+@pytest.mark.parametrize("lo, hi", [(0.0, 1.0), (1.0, 105615.0), (105615.0, 2.0**24), (2.0**24, 2.0**30),
+                                    (2.0**30, 2.0**36)])
+def test_kernel_sincos_against_float64(lo, hi, atol=1.7e-7):
+    """rope_bwd's cos/sin (``_common.sincos``, no libdevice): within the documented error of
+    float64 over each range of angles, both signs, and exact at 0; sin**2 + cos**2 = 1."""
+    x = np.random.default_rng(0).uniform(lo, hi, 200_000).astype(np.float32)
+    x = np.concatenate([x, -x, np.float32([lo, -lo])])
+    s, c = map(np.asarray, jax.jit(pallas_common.sincos)(jnp.asarray(x)))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(s, np.sin(x64), rtol=0, atol=atol)
+    np.testing.assert_allclose(c, np.cos(x64), rtol=0, atol=atol)
+    np.testing.assert_allclose(s.astype(np.float64) ** 2 + c.astype(np.float64) ** 2, 1.0, rtol=0, atol=1e-6)
+
+
+def test_kernel_sincos_special_values():
+    x = jnp.array([0.0, -0.0, 2.0**36, -(2.0**40), jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
+    s, c = map(np.asarray, pallas_common.sincos(x))
+    np.testing.assert_array_equal(s[:2], [0.0, 0.0])
+    np.testing.assert_array_equal(c[:2], [1.0, 1.0])
+    assert np.isnan(s[2:]).all() and np.isnan(c[2:]).all()  # documented: NaN from 2**36
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_backward_at_long_context_positions(interleaved):
+    """The Pallas backward's own cos/sin against the XLA backward's at positions where
+    libdevice's sin/cos switch to their slow reduction (angles past 105615) and beyond."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 2, 16))
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    pos = jnp.array([[0, 1, 105_614, 105_616, 1_000_003, 16_777_000],
+                     [131_071, 524_287, 2_000_000, 9_999_999, 3, 7]])
+    f = lambda impl: lambda v: rope(v, positions=pos, interleaved=interleaved, implementation=impl)  # noqa: E731
+    _, g = _vjp(f("pallas"), x, ct)
+    _, g_xla = _vjp(f("xla"), x, ct)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_xla), rtol=0, atol=2e-6)
+
+
 # optax.softmax_cross_entropy_with_integer_labels's own cases, with jaxbwd.cross_entropy
 # (reduction="none") in its place: scalar and batched rows, gradients, row and per-class
 # masks, one class axis anywhere, several class axes in any order.

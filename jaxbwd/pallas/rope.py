@@ -3,9 +3,10 @@
 The input is viewed as one row per position, [B*T, N*H] (all heads of a position side by
 side). Program i takes ``block_pos`` positions, computes the angles
 ``pos * inv_freq[k]`` of their H/2 rotation pairs and their cos/sin once in f32 registers
-(no cos/sin tables are read or saved; ``inv_freq`` is one [H/2] f32 vector, the forward's
-own, so Llama 3.1's rescaled frequencies and float positions come for free), then walks
-the N heads reusing them, and writes
+(``_common.sincos``: one range reduction for both, no libdevice call; no cos/sin tables
+are read or saved; ``inv_freq`` is one [H/2] f32 vector, the forward's own, so Llama 3.1's
+rescaled frequencies and float positions come for free), then walks the N heads reusing
+them, and writes
 
     dx_a =  dy_a cos + dy_b sin
     dx_b = -dy_a sin + dy_b cos
@@ -40,7 +41,7 @@ def _rope_bwd_kernel(dy_ref, pos_ref, freq_ref, dx_ref, *, n_pos: int, heads: in
     mask = pmask[:, None] & kmask[None, :]
     pos = C.load(pos_ref, p, pmask, other=0, dtype=jnp.float32)
     ang = pos[:, None] * C.load(freq_ref, k, kmask)[None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    sin, cos = C.sincos(ang)
 
     if interleaved:
         c = jnp.arange(2 * block_half, dtype=jnp.int32)

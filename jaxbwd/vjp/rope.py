@@ -148,7 +148,9 @@ def rope(x, *, positions=None, start_pos=0, theta=10000.0, interleaved=False, sc
 
     Returns:
       [B, T, N, H] in x's dtype; angles and rotation computed in float32 (float64 for
-      float64 x).
+      float64 x). The Pallas backward evaluates cos and sin itself (``pallas._common.sincos``,
+      no libdevice call): within 1.7e-7 of float64 for angles below 2**36 radians (69
+      billion positions at ``f_0 = 1``); NaN gradients from there.
 
     Residuals: the positions [B, T], int32 (float32, float64 for float64 x, when fractional,
     scale_factor != 1, of a dtype int32 cannot hold: int64, uint32, uint64, or from a static
