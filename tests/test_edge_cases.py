@@ -79,6 +79,18 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.upsample2d(jnp.ones((1, 4, 4, 3)), (2, 2, 2)), ValueError, r"upsample2d: scale must be an int >= 1 or a pair of them, got \(2, 2, 2\)"),
         (lambda: jax.jit(lambda s: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), (s, 2)))(2), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got a traced value"),
         (lambda: jaxbwd.matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), implementation="bogus"), ValueError, r"^jaxbwd\.matmul: implementation must be None, 'pallas' or 'xla', got 'bogus'"),
+        (lambda: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), None), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got None"),
+        (lambda: jaxbwd.avg_pool2d(jnp.ones((1, 4, 4, 3)), None), TypeError, r"avg_pool2d: window_shape must be an int >= 1 or a pair of them, got None"),
+        # axis/axis_name mixed up: JAX's collectives would read an int as a positional axis
+        (lambda: jaxbwd.batch_norm(jnp.ones((4, 6)), jnp.ones(6), jnp.zeros(6), axis_name=0), TypeError, r"batch_norm: axis_name must be None, an axis name \(e.g. a str\) or a tuple of them, got 0"),
+        (lambda: jaxbwd.batch_norm(jnp.ones((4, 6)), jnp.ones(6), jnp.zeros(6), axis_name=("data", [1])), TypeError, r"batch_norm: axis_name must be None, an axis name"),
+        # a jax array axis: accepted eagerly before, a TracerBoolConversionError under jit
+        (lambda: jax.jit(lambda l: jaxbwd.cross_entropy(l, jnp.zeros(6, jnp.int32), axis=jnp.int32(-1)))(jnp.ones((6, 11))), TypeError, r"cross_entropy: axis must be an int or a tuple of ints, got JitTracer"),
+        (lambda: jaxbwd.cross_entropy(jnp.ones((6, 11)), jnp.zeros(6, jnp.int32), axis=jnp.int32(-1)), TypeError, r"cross_entropy: axis must be an int or a tuple of ints"),
+        (lambda: jaxbwd.cross_entropy(jnp.ones((6, 11)), jnp.zeros(6, jnp.int32), ignore_index=2**40), ValueError, r"cross_entropy: ignore_index must fit int32 .*got 1099511627776"),
+        (lambda: jaxbwd.linear_cross_entropy(jnp.ones((6, 8)), jnp.ones((8, 11)), jnp.zeros(6, jnp.int32), ignore_index=np.int64(-2**40)), ValueError, r"linear_cross_entropy: ignore_index must fit int32"),
+        # unbatched attention: a list of ints is not a (q, kv) pair of segment ids
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((8, 4, 16)), jnp.ones((8, 2, 16)), jnp.ones((8, 2, 16)), segment_ids=[0] * 8), ValueError, r"dot_product_attention: segment_ids must be an array .* got a sequence of length 8"),
     ],
 )
 def test_invalid_edge_inputs_raise(call, error, match):

@@ -838,7 +838,7 @@ def test_float64_modules_follow_the_ops_rule(make):
 @pytest.mark.parametrize("shape,heads,match", [
     ((4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(4, 16\)"),
     ((1, 4, 4, 16), (4, 2), r"x must be \[B, T, features\] \(rank 3\), got shape \(1, 4, 4, 16\)"),
-    ((1, 4, 16), (3, 2), r"num_heads must be a multiple of num_kv_heads \(>= 1\), got num_heads=3, num_kv_heads=2"),
+    ((1, 4, 16), (3, 2), r"num_heads must be a multiple of num_kv_heads, got num_heads=3, num_kv_heads=2"),
 ])
 def test_attention_modules_name_their_bad_input(shape, heads, match):
     x = jnp.ones(shape)
@@ -846,6 +846,41 @@ def test_attention_modules_name_their_bad_input(shape, heads, match):
         jnn.Attention(*heads, 8).init(jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.Attention: " + match):
         jnnx.Attention(16, *heads, 8, rngs=nnx.Rngs(0))(x)
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("head_dim", 16 / 4, TypeError, r"head_dim must be a static Python int, got 4.0"),
+    ("head_dim", -8, ValueError, r"head_dim must be an int >= 1, got -8"),
+    ("head_dim", 5, ValueError, r"head_dim must be even \(RoPE rotates pairs\), got 5"),
+    ("num_heads", "4", TypeError, r"num_heads must be a static Python int, got '4'"),
+    ("num_kv_heads", 0, ValueError, r"num_kv_heads must be an int >= 1, got 0"),
+    ("num_kv_heads", True, TypeError, r"num_kv_heads must be a static Python int, got True"),
+    ("rope_theta", 0.0, ValueError, r"rope_theta must be a positive number, got 0.0"),
+])
+def test_attention_modules_check_their_configuration(field, value, error, match):
+    """Sizes such as ``d_model / n_heads`` (a float) or a negative count fail in the
+    module's own terms, before flax's Dense or a reshape sees them."""
+    x = jnp.ones((1, 4, 16))
+    cfg = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, field: value}
+    with pytest.raises(error, match=r"jaxbwd.nn.Attention: " + match):
+        jnn.Attention(**cfg).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(error, match=r"jaxbwd.nn.nnx.Attention: " + match):
+        jnnx.Attention(16, **cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("hidden,error,match", [
+    (8 * 16 / 3, TypeError, r"hidden must be a static Python int, got 42.66"),
+    (0, ValueError, r"hidden must be an int >= 1, got 0"),
+    (-4, ValueError, r"hidden must be an int >= 1, got -4"),
+])
+def test_swiglu_mlp_modules_check_hidden(hidden, error, match):
+    x = jnp.ones((2, 16))
+    with pytest.raises(error, match=r"jaxbwd.nn.SwiGLUMLP: " + match):
+        jnn.SwiGLUMLP(hidden).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(error, match=r"jaxbwd.nn.nnx.SwiGLUMLP: " + match):
+        jnnx.SwiGLUMLP(16, hidden, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"jaxbwd.nn.nnx.SwiGLUMLP: features must be a static Python int, got 16.0"):
+        jnnx.SwiGLUMLP(16.0, 32, rngs=nnx.Rngs(0))
 
 
 def test_linen_attention_fn_signature_is_flax():

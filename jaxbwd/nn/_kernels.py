@@ -267,13 +267,29 @@ def threefry_key(key) -> bool:
     return key.shape == (2,) and key.dtype == jnp.uint32
 
 
-def check_attention_call(module: str, x, num_heads: int, num_kv_heads: int) -> None:
-    """The Attention modules' own checks, in their own terms, before any op sees the input."""
+def check_sizes(module: str, **sizes) -> None:
+    """A module's layer sizes (heads, head_dim, hidden, features): static Python ints >= 1,
+    checked in the module's own terms before they reach a Dense or a reshape (where a float
+    ``d_model / n_heads`` or a negative size fails deep inside flax and JAX)."""
+    for name, value in sizes.items():
+        B.static_int(module, name, value, minimum=1)
+
+
+def check_attention_config(module: str, num_heads, num_kv_heads, head_dim, rope_theta) -> None:
+    """The Attention modules' configuration: sizes, GQA grouping, RoPE's even head_dim and base."""
+    check_sizes(module, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"jaxbwd.{module}: num_heads must be a multiple of num_kv_heads, got "
+                         f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
+    if head_dim % 2:
+        raise ValueError(f"jaxbwd.{module}: head_dim must be even (RoPE rotates pairs), got {head_dim}")
+    B.check_positive(module, "rope_theta", rope_theta)
+
+
+def check_attention_call(module: str, x) -> None:
+    """The Attention modules' check of their input, before any op sees it."""
     if jnp.ndim(x) != 3:
         raise ValueError(f"jaxbwd.{module}: x must be [B, T, features] (rank 3), got shape {tuple(jnp.shape(x))}")
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"jaxbwd.{module}: num_heads must be a multiple of num_kv_heads (>= 1), got "
-                         f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
 
 
 _ATTENTION_IMPL: contextvars.ContextVar = contextvars.ContextVar("jaxbwd_nn_attention_impl", default=None)

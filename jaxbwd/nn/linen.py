@@ -252,7 +252,8 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
 class SwiGLUMLP(_Impl, fnn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020); submodules ``gate``, ``up``, ``down``.
 
-    Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: those of the ops.
+    Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: TypeError/ValueError
+    naming the module for a ``hidden`` that is not an int >= 1; then those of the ops.
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -268,6 +269,7 @@ class SwiGLUMLP(_Impl, fnn.Module):
 
     @fnn.compact
     def __call__(self, x):
+        K.check_sizes("nn.SwiGLUMLP", hidden=self.hidden)
         dense = lambda n, name: Dense(n, use_bias=self.use_bias, implementation=self.implementation, name=name)
         h = jaxbwd.swiglu(dense(self.hidden, "gate")(x), dense(self.hidden, "up")(x),
                           limit=self.limit, implementation=self.implementation)
@@ -278,8 +280,10 @@ class Attention(_Impl, fnn.Module):
     """Causal GQA self-attention with RoPE; submodules ``query``, ``key``, ``value``, ``out`` (Dense).
 
     Call: x [B, T, D] (optional ``segment_ids`` int [B, T], ``positions`` int [B, T] or [T])
-    -> [B, T, D]. ``num_heads % num_kv_heads == 0``. Errors: those of
-    :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
+    -> [B, T, D]. ``num_heads % num_kv_heads == 0``. Errors: TypeError/ValueError naming
+    the module for a size that is not an int >= 1 (``d_model / n_heads`` is a float),
+    num_heads not a multiple of num_kv_heads, an odd head_dim or rope_theta <= 0; then
+    those of :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
     Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
 
     dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
@@ -296,7 +300,8 @@ class Attention(_Impl, fnn.Module):
 
     @fnn.compact
     def __call__(self, x, *, segment_ids=None, positions=None):
-        K.check_attention_call("nn.Attention", x, self.num_heads, self.num_kv_heads)
+        K.check_attention_config("nn.Attention", self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta)
+        K.check_attention_call("nn.Attention", x)
         B, T, _ = x.shape
         impl = self.implementation
         dense = lambda n, name: Dense(n, use_bias=False, implementation=impl, name=name)

@@ -313,8 +313,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
 class SwiGLUMLP(nnx.Module, _Impl):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020) of three :class:`Linear` layers.
 
-    Call: x [..., features] -> [..., features]; ``limit`` clamps as gpt-oss. Errors: those
-    of the ops.
+    Call: x [..., features] -> [..., features]; ``limit`` clamps as gpt-oss. Errors:
+    TypeError/ValueError naming the module, at construction, for ``features`` or ``hidden``
+    not an int >= 1; then those of the ops.
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -326,6 +327,7 @@ class SwiGLUMLP(nnx.Module, _Impl):
     def __init__(self, features: int, hidden: int, *, limit: Optional[float] = None, use_bias: bool = False,
                  implementation: Optional[str] = None, rngs: nnx.Rngs):
         self._set_impl(implementation)
+        K.check_sizes("nn.nnx.SwiGLUMLP", features=features, hidden=hidden)
         lin = lambda i, o: Linear(i, o, use_bias=use_bias, implementation=implementation, rngs=rngs)
         self.gate, self.up, self.down = lin(features, hidden), lin(features, hidden), lin(hidden, features)
         self.limit = limit
@@ -339,9 +341,11 @@ class Attention(nnx.Module, _Impl):
     """Causal GQA self-attention with RoPE: ``query``, ``key``, ``value``, ``out`` :class:`Linear` layers.
 
     Call: x [B, T, features] (optional ``segment_ids`` int [B, T], ``positions`` int [T] or
-    [B, T]) -> [B, T, features]. Errors: those of :func:`jaxbwd.dot_product_attention` and
-    :func:`jaxbwd.rope`. Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su
-    et al. (2021).
+    [B, T]) -> [B, T, features]. Errors: TypeError/ValueError naming the module, at
+    construction, for a size that is not an int >= 1, num_heads not a multiple of
+    num_kv_heads, an odd head_dim or rope_theta <= 0; then those of
+    :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`. Source: Vaswani et al.
+    (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
 
     dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -352,6 +356,8 @@ class Attention(nnx.Module, _Impl):
                  rope_theta: float = 10000.0, is_causal: bool = True, implementation: Optional[str] = None,
                  rngs: nnx.Rngs):
         self._set_impl(implementation)
+        K.check_sizes("nn.nnx.Attention", features=features)
+        K.check_attention_config("nn.nnx.Attention", num_heads, num_kv_heads, head_dim, rope_theta)
         lin = lambda i, o: Linear(i, o, use_bias=False, implementation=implementation, rngs=rngs)
         self.query = lin(features, num_heads * head_dim)
         self.key = lin(features, num_kv_heads * head_dim)
@@ -361,7 +367,7 @@ class Attention(nnx.Module, _Impl):
         self.rope_theta, self.is_causal = rope_theta, is_causal
 
     def __call__(self, x, *, segment_ids=None, positions=None):
-        K.check_attention_call("nn.nnx.Attention", x, self.num_heads, self.num_kv_heads)
+        K.check_attention_call("nn.nnx.Attention", x)
         Bsz, T, _ = x.shape
         impl = self.implementation
         q = self.query(x).reshape(Bsz, T, self.num_heads, self.head_dim)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Hashable
 from typing import Any, Optional, Sequence, overload
 
 import jax
@@ -204,7 +205,12 @@ def check_axis_name(op: str, axis_name: Any) -> None:
     """``None``, or a named axis (or tuple of them) bound by an enclosing shard_map, pmap or vmap."""
     if axis_name is None:
         return
-    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    # JAX's collectives read an int as a positional array axis, not as a name
+    if any(isinstance(n, (int, np.integer, jax.core.Tracer)) or not isinstance(n, Hashable) for n in names):
+        raise TypeError(f"jaxbwd.{op}: axis_name must be None, an axis name (e.g. a str) or a tuple of "
+                        f"them, got {axis_name!r} (the feature axis is `axis`)")
+    for name in names:
         try:
             jax.lax.axis_size(name)  # static: adds nothing to the jaxpr
         except NameError as e:

@@ -514,8 +514,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     q, k, v = query, key, value
     if all(getattr(a, "ndim", None) == 3 for a in (q, k, v)):
         seg = segment_ids
-        if seg is not None:
-            seg = tuple(s[None] for s in seg) if isinstance(seg, (tuple, list)) else seg[None]
+        # arrays gain the batch axis; anything else goes on as it is, for the batched
+        # path's check to name (a list of ints is not a (q, kv) pair)
+        if isinstance(seg, (tuple, list)) and all(hasattr(s, "ndim") for s in seg):
+            seg = tuple(s[None] for s in seg)
+        elif hasattr(seg, "ndim"):
+            seg = seg[None]
         out = dot_product_attention(
             q[None], k[None], v[None], bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

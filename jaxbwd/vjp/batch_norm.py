@@ -121,7 +121,7 @@ def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum
 
     Raises:
       TypeError: non-floating x, weight, bias; weight and bias of different dtypes;
-        training not a bool; static numbers traced.
+        training not a bool; static numbers traced; an int (or unhashable) ``axis_name``.
       ValueError: rank < 2; axis out of range; weight/bias/running shapes not [C]; only one
         of running_mean/running_var; running statistics missing when not training; eps <= 0;
         momentum outside [0, 1]; in training, an ``axis_name`` that no enclosing

@@ -269,6 +269,9 @@ def check_options(op, ignore_index, label_smoothing, z_loss) -> tuple[int, float
     """The cross-entropy options shared with ``linear_cross_entropy``, checked: a static int
     ignore_index, label_smoothing in [0, 1] and z_loss >= 0 (static numbers)."""
     B.static_int(op, "ignore_index", ignore_index)
+    if not -2**31 <= ignore_index < 2**31:
+        raise ValueError(f"jaxbwd.{op}: ignore_index must fit int32 (the labels are compared in int32 or wider), "
+                         f"got {ignore_index!r}")
     eps = B.check_static_number(op, "label_smoothing", label_smoothing)
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
@@ -335,9 +338,11 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     :mod:`jaxbwd.sharding`.
 
     Raises:
-      TypeError: logits not floating, labels not integer, a traced static parameter.
+      TypeError: logits not floating, labels not integer, a traced static parameter, axis
+        not an int or tuple of ints (a jax array included).
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
-        outside [0, 1] or z_loss < 0 (either not finite), unknown reduction or implementation.
+        outside [0, 1] or z_loss < 0 (either not finite), ignore_index outside int32, axis
+        out of range or repeated, unknown reduction or implementation.
       Also the errors common to every op (``help(jaxbwd)``).
 
     Source: ``dlogits = g * w * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)`` with ``w``
@@ -349,12 +354,14 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     B.check_float(op, "logits", logits)
     B.check_ndim(op, "logits", logits, min_ndim=1, what="([..., V])")
     ignore_index, eps, z = check_options(op, ignore_index, label_smoothing, z_loss)
-    if axis != -1 or where is not None:
+    # (a jax array axis goes to _classes_last's TypeError, not into a traced comparison)
+    last_axis = B.is_static_int(axis) and axis == -1
+    if not last_axis or where is not None:
         logits, labels = _classes_last(op, logits, labels, axis, where, ignore_index, label_smoothing)
     B.check_nonempty_axis(op, "logits", logits, -1, "class axis V")
     labels = B.check_int(op, "labels", labels)
     B.check_shape(op, "labels", labels, logits.shape[:-1],
-                  what="(logits' shape without the class axis)" if axis != -1 else "(logits.shape[:-1])")
+                  what="(logits.shape[:-1])" if last_axis else "(logits' shape without the class axis)")
     if logits.shape[-1] < 1:
         raise ValueError(f"jaxbwd.{op}: logits must have at least one class (V >= 1), got shape {tuple(logits.shape)}")
     if reduction not in REDUCTIONS:

@@ -73,7 +73,7 @@ def _pads(op, padding, hw, window, strides):
 def _geometry(op, x, window_shape, strides, padding):
     B.check_float(op, "x", x)
     B.check_ndim(op, "x", x, ndim=4, what="([N, H, W, C])")
-    window = _pair(op, "window_shape", window_shape)
+    window = B.static_int_pair(op, "window_shape", window_shape, minimum=1)
     strides = _pair(op, "strides", strides, (1, 1))
     pads = _pads(op, padding, x.shape[1:3], window, strides)
     out = tuple((x.shape[1 + i] + sum(pads[i]) - window[i]) // strides[i] + 1 for i in range(2))
