@@ -221,53 +221,59 @@ _SIN_POLY = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
 _COS_POLY = (2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2)
 
 
-def sincos(x):
+def sincos(x, xp=jnp):
     """``(sin(x), cos(x))`` of an f32 array for kernels, without libdevice.
 
     Triton lowers ``jnp.sin``/``jnp.cos`` to libdevice ``sinf``/``cosf``: each reduces its
     argument again, and their Payne-Hanek path for |x| > 105615 brings a 32-byte
     local-memory stack and register pressure (rope_bwd compiled for an H200: 100-109
-    registers and about 1460 SASS instructions with them, 60-70 and about 850 with this,
-    ``bench/results/2026-12-05-compile-rope-sincos.md``). Here one reduction
-    serves both: ``x = q * pi/2 + r`` with the integer ``q`` split into 12-bit pieces so
-    that every product with a part of pi/2 is exact, and a correction of ``q`` where
-    ``x * 2/pi`` rounded to another integer; then the two polynomials on ``|r| <= pi/4`` and
-    the quadrant's swap and signs.
+    registers and about 1460 SASS instructions with them, 64-70 and about 810 with this,
+    ``bench/results/2026-12-05-compile-rope-sincos.md``). Here one reduction serves both:
+    ``x = q * pi/2 + r`` with the integer ``q`` split into 12-bit pieces so that every
+    product with a part of pi/2 is exact, and a correction of ``q`` where ``x * 2/pi``
+    rounded to another integer; then the two polynomials on ``|r| <= pi/4`` and the
+    quadrant's swap and signs.
 
-    Absolute error against float64 (measured on 4 million points per range, CPU, no fma):
-    below 1.7e-7 for |x| < 2**36 (3 ulps of 1; libdevice: 1 ulp); NaN for |x| >= 2**36,
-    ``inf`` and ``nan``. RoPE angles are ``position * inv_freq`` with ``inv_freq <= 1``:
-    2**24 radians is 16.7 million positions, and past it a float32 angle is itself an
-    integer rounded to 2 radians or more.
+    ``xp=numpy`` runs the same steps in NumPy float32, each product and sum rounded on its
+    own, as the compiled kernel does (its SASS has FMUL and FADD, no FFMA); XLA on CPU, and
+    so interpret mode, contracts them into fused multiply-adds.
+
+    Absolute error against float64, every float32 in [2**-13, 2**36) checked in both
+    roundings (below 2**-13, sin x = x and cos x = 1 in float32): below 9.5e-8 (1.6 ulps
+    near 1; CUDA documents 2 ulps for libdevice's sinf/cosf). NaN for |x| >= 2**36,
+    ``inf`` and ``nan``; ``sin(-0.0)`` is -0.0. RoPE angles are ``position * inv_freq``
+    with ``inv_freq <= 1``: 2**24 radians is 16.7 million positions, and past it a float32
+    angle is itself an integer rounded to 2 radians or more.
     """
-    ax = jnp.abs(x)
+    ax = xp.abs(x)
     p1, p2, p3, p4 = _HALF_PI_PARTS
-    q = jnp.floor(ax * _TWO_OVER_PI + 0.5)
-    # Past 2**24, x * 2/pi rounds to a neighbour of the right integer, up to 2**12 away at
-    # 2**36: f below is that correction, a fourth piece of q.
-    q24 = jnp.floor(q * 2.0**-24) * 2.0**24
-    q12 = jnp.floor(q * 2.0**-12) * 2.0**12
+    q = xp.floor(ax * _TWO_OVER_PI + 0.5)
+    # Past 2**24, x * 2/pi rounds to a neighbour of the right integer (3807 away at most
+    # below 2**36): f below is that correction, a fourth piece of q.
+    q24 = xp.floor(q * 2.0**-24) * 2.0**24
+    q12 = xp.floor(q * 2.0**-12) * 2.0**12
     a, b, c = q24, q12 - q24, q - q12
     # Terms in decreasing size: the partial sum stays on a grid fine enough to hold it
-    # exactly until the reduced r alone is left (then each step rounds at r's ulp).
+    # exactly down to the terms below 2**-5, which are summed on their own and subtracted
+    # once (r rounds once at its own ulp, not once per term).
     r = ((ax - a * p1) - b * p1 - a * p2) - c * p1
-    f = jnp.floor((r - (b + c) * p2 - q * p3) * _TWO_OVER_PI + 0.5)
-    r = r - f * p1
-    for piece, part in ((b, p2), (a, p3), (f, p2), (c, p2), (b, p3), (a, p4), (f, p3), (c, p3), (b, p4), (f, p4),
-                        (c, p4)):
-        r = r - piece * part
-    # Only q mod 4 matters: c is below 4096 and |f| at most 2**12, so an int32 carries c + f.
-    quadrant = (c + f).astype(jnp.int32)
-    # From 2**36 the top piece of q no longer fits 12 bits: NaN rather than a wrong value.
-    r = jnp.where(ax < 2.0**36, r, jnp.nan)
+    f = xp.floor((r - (b + c) * p2 - q * p3) * _TWO_OVER_PI + 0.5)
+    r = ((r - f * p1) - b * p2) - a * p3
+    tail = (f + c) * p2 + (b + f + c) * p3 + (a + b + f + c) * p4
+    r = r - tail
+    # Only q mod 4 matters: c is below 4096 and |f| below 2**12, so an int32 carries c + f.
+    quadrant = (c + f).astype(xp.int32)
+    # NaN from 2**36, where f would soon outgrow its 12 bits: not a wrong value.
+    r = xp.where(ax < 2.0**36, r, xp.nan)
     z = r * r
     s = r + r * z * ((_SIN_POLY[0] * z + _SIN_POLY[1]) * z + _SIN_POLY[2])
     c = 1.0 - 0.5 * z + z * z * ((_COS_POLY[0] * z + _COS_POLY[1]) * z + _COS_POLY[2])
     odd = (quadrant & 1) == 1
-    sin = jnp.where(odd, c, s)
-    cos = jnp.where(odd, s, c)
-    sin = jnp.where(((quadrant & 2) == 2) != (x < 0), -sin, sin)
-    cos = jnp.where(((quadrant + 1) & 2) == 2, -cos, cos)
+    sin = xp.where(odd, c, s)
+    cos = xp.where(odd, s, c)
+    sin = xp.where(((quadrant & 2) == 2) != (x < 0), -sin, sin)
+    sin = xp.where(ax == 0, x, sin)  # keeps -0.0
+    cos = xp.where(((quadrant + 1) & 2) == 2, -cos, cos)
     return sin, cos
 
 
