@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterable
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -355,7 +356,7 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; a
         ``pallas_backward`` without ``kernels``; a ``sharding`` that is not a signature, has
         more than one output, or lays out a number of arguments ``forward`` cannot take.
-        TypeError: a rule that is not callable; ``kernels`` not a tuple or list of str.
+        TypeError: a rule that is not callable; ``kernels`` not a sequence of str.
 
     Raises (when called, each naming the op):
       TypeError: a non-array argument; arguments the forward's signature does not take (or,
@@ -384,8 +385,11 @@ def define_op(name: str, *, forward: Callable, backward: Callable, fwd: Optional
     for arg, f in (("fwd", fwd), ("pallas_backward", pallas_backward), ("tangent", tangent), ("check", check)):
         if f is not None and not callable(f):
             raise TypeError(f"{where}: {arg} must be callable or None, got {type(f).__name__}")
-    if not isinstance(kernels, (tuple, list)) or not all(isinstance(k, str) for k in kernels):
-        raise TypeError(f"{where}: kernels must be a tuple or list of pallas_call names (str), got {kernels!r}")
+    if isinstance(kernels, str) or not isinstance(kernels, Iterable):
+        raise TypeError(f"{where}: kernels must be a sequence of pallas_call names (str), got {kernels!r}")
+    kernels = tuple(kernels)  # once: a generator would be used up by the check below
+    if not all(isinstance(k, str) for k in kernels):
+        raise TypeError(f"{where}: kernels must be a sequence of pallas_call names (str), got {kernels!r}")
     if pallas_backward is not None and not kernels:
         raise ValueError(f"{where}: give kernels=(the pallas_call names) with pallas_backward")
     return Op(name, forward, backward, fwd=fwd, pallas_backward=pallas_backward, tangent=tangent,

@@ -311,13 +311,11 @@ def test_cotangents_take_their_arguments_dtype():
     (dict(name="tan_test", tangent="jvp"), TypeError,
      r"define_op\('tan_test'\): tangent must be callable or None, got str"),
     (dict(name="k_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels="k_test_bwd"), TypeError,
-     r"define_op\('k_test'\): kernels must be a tuple or list of pallas_call names"),
+     r"define_op\('k_test'\): kernels must be a sequence of pallas_call names"),
     (dict(name="k_none_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels=None), TypeError,
-     r"define_op\('k_none_test'\): kernels must be a tuple or list of pallas_call names \(str\), got None"),
-    # a generator would be used up by the check and leave op.kernels empty
-    (dict(name="k_gen_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels=(k for k in ["k_gen_bwd"])),
-     TypeError, r"define_op\('k_gen_test'\): kernels must be a tuple or list of pallas_call names \(str\), "
-     r"got <generator"),
+     r"define_op\('k_none_test'\): kernels must be a sequence of pallas_call names \(str\), got None"),
+    (dict(name="k_int_test", pallas_backward=lambda r, d, *, interpret: (d,), kernels=["k_bwd", 3]), TypeError,
+     r"define_op\('k_int_test'\): kernels must be a sequence of pallas_call names \(str\), got \('k_bwd', 3\)"),
     (dict(name="sig_test", sharding="garbage"), ValueError,
      r"define_op\('sig_test'\): sharding must be a layout signature .* got 'garbage': expected one '->'"),
     (dict(name="sig_term_test", sharding="...D1->...D1"), ValueError,
@@ -328,12 +326,19 @@ def test_cotangents_take_their_arguments_dtype():
     (dict(name="sig_out_test", sharding="...->...,..."), ValueError,
      r"define_op\('sig_out_test'\): sharding '...->...,...' has 2 outputs"),
 ], ids=["builtin-name", "not-an-identifier", "forward", "tangent", "kernels-a-string", "kernels-none",
-        "kernels-a-generator", "sharding-garbage",
+        "kernels-not-str", "sharding-garbage",
         "sharding-term", "sharding-inputs", "sharding-outputs"])
 def test_define_op_checks_its_arguments(kwargs, error, message):
     full = dict(forward=lambda x: x, backward=lambda r, d: (d,)) | kwargs
     with pytest.raises(error, match=message):
         jaxbwd.define_op(full.pop("name"), **full)
+
+
+def test_define_op_takes_kernels_from_any_iterable_once():
+    # a generator is read once: checking it must not leave op.kernels empty
+    op = jaxbwd.define_op("k_gen_test", forward=lambda x: x, backward=lambda r, d: (d,),
+                          pallas_backward=lambda r, d, *, interpret: (d,), kernels=(k for k in ["k_gen_bwd"]))
+    assert op.kernels == ("k_gen_bwd",)
 
 
 @pytest.mark.skipif(not FORWARD_MODE, reason="forward mode needs jax >= 0.12")

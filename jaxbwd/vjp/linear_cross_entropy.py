@@ -322,7 +322,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         static parameter, return_aux or transpose_w not a bool.
       ValueError: x of rank 0, w not rank 2 or not matching x's D, an empty vocabulary,
         labels' or weights' shape not x.shape[:-1], label_smoothing outside [0, 1] or
-        z_loss < 0 (either not finite), ignore_index outside int32, logit_softcap <= 0 or not finite, unknown
+        z_loss < 0 (either not finite), logit_softcap <= 0 or not finite, unknown
         reduction or implementation; x of symbolic shape (``jax.export``: the XLA path
         sizes its token chunks from the token count).
       Also the errors common to every op (``help(jaxbwd)``).

@@ -42,8 +42,11 @@ REDUCTIONS = ("mean", "sum", "none")
 def _valid_labels(labels, V, ignore_index):
     """labels -> int32 labels with -1 for ignored and out-of-range rows (the documented policy);
     the range is checked before the cast, so 64-bit labels past int32 do not wrap into range."""
-    ok = (labels >= 0) & (labels != ignore_index)
-    if V <= jnp.iinfo(labels.dtype).max:  # else every label is in range (and V does not fit the dtype)
+    info = jnp.iinfo(labels.dtype)
+    ok = labels >= 0
+    if info.min <= ignore_index <= info.max:  # else no label can equal it (int32 labels, 2**40)
+        ok = ok & (labels != ignore_index)
+    if V <= info.max:  # else every label is in range (and V does not fit the dtype)
         ok = ok & (labels < V)
     return jnp.where(ok, labels, -1).astype(jnp.int32)
 
@@ -269,9 +272,6 @@ def check_options(op, ignore_index, label_smoothing, z_loss) -> tuple[int, float
     """The cross-entropy options shared with ``linear_cross_entropy``, checked: a static int
     ignore_index, label_smoothing in [0, 1] and z_loss >= 0 (static numbers)."""
     B.static_int(op, "ignore_index", ignore_index)
-    if not -2**31 <= ignore_index < 2**31:
-        raise ValueError(f"jaxbwd.{op}: ignore_index must fit int32 (the labels are compared in int32 or wider), "
-                         f"got {ignore_index!r}")
     eps = B.check_static_number(op, "label_smoothing", label_smoothing)
     if not 0.0 <= eps <= 1.0:
         raise ValueError(f"jaxbwd.{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
@@ -341,8 +341,8 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
       TypeError: logits not floating, labels not integer, a traced static parameter, axis
         not an int or tuple of ints (a jax array included).
       ValueError: logits of rank 0, labels' shape not logits.shape[:-1], label_smoothing
-        outside [0, 1] or z_loss < 0 (either not finite), ignore_index outside int32, axis
-        out of range or repeated, unknown reduction or implementation.
+        outside [0, 1] or z_loss < 0 (either not finite), axis out of range or repeated,
+        unknown reduction or implementation.
       Also the errors common to every op (``help(jaxbwd)``).
 
     Source: ``dlogits = g * w * ((1 + 2 z lse) softmax - (1 - eps) onehot - eps/V)`` with ``w``
