@@ -483,7 +483,9 @@ _SPECS: list[OpSpec] = [
         name="rope", family="rope", fn=rope.rope, reference=ref.rope,
         diff_argnums=(0,), static_params=("theta", "interleaved", "scale_factor", "frequency_scaling"),
         kernels=("rope_bwd",),
-        backward="Pallas: dy rotated by the negative angle, cos/sin computed in f32 registers once per (position, pair) and reused across the heads",
+        backward=("Pallas: dy rotated by the negative angle, cos/sin computed in f32 registers once per (position, pair), "
+                  "with one range reduction and no libdevice call (within 9.5e-8 of float64 for angles below 2**36 "
+                  "radians, NaN from there), and reused across the heads"),
         examples=(
             Example("2x5x3x8", lambda k, dt: ((_normal(k, (2, 5, 3, 8), dt),), {})),
             Example("1x6x2x16-interleaved-pos[T]", lambda k, dt: ((_normal(k, (1, 6, 2, 16), dt),), {"positions": jnp.array([3, 4, 5, 9, 10, 11]), "interleaved": True})),
