@@ -266,11 +266,11 @@ def sincos(x, xp=jnp):
     # NaN from 2**36, where f would soon outgrow its 12 bits: not a wrong value.
     r = xp.where(ax < 2.0**36, r, xp.nan)
     z = r * r
-    s = r + r * z * ((_SIN_POLY[0] * z + _SIN_POLY[1]) * z + _SIN_POLY[2])
-    c = 1.0 - 0.5 * z + z * z * ((_COS_POLY[0] * z + _COS_POLY[1]) * z + _COS_POLY[2])
+    sin_r = r + r * z * ((_SIN_POLY[0] * z + _SIN_POLY[1]) * z + _SIN_POLY[2])
+    cos_r = 1.0 - 0.5 * z + z * z * ((_COS_POLY[0] * z + _COS_POLY[1]) * z + _COS_POLY[2])
     odd = (quadrant & 1) == 1
-    sin = xp.where(odd, c, s)
-    cos = xp.where(odd, s, c)
+    sin = xp.where(odd, cos_r, sin_r)
+    cos = xp.where(odd, sin_r, cos_r)
     sin = xp.where(((quadrant & 2) == 2) != (x < 0), -sin, sin)
     sin = xp.where(ax == 0, x, sin)  # keeps -0.0
     cos = xp.where(((quadrant + 1) & 2) == 2, -cos, cos)
