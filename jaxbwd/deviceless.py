@@ -356,7 +356,10 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
     """Static SASS instruction counts of ``function`` (``cuobjdump -sass``), NOPs excluded.
 
     ``expf``: libdevice ``expf`` call sites, counted by the ``FFMA.RM`` of their range
-    reduction (``exp2`` maps to a bare ``MUFU.EX2`` and has none). ``spill_stores`` and
+    reduction (``exp2`` maps to a bare ``MUFU.EX2`` and has none). ``ex2_subnormal``: the
+    ``MUFU.EX2`` that PTX ``ex2.approx.f32`` (``jnp.exp2``) brings with its subnormal-result
+    fixup, counted by that fixup's compare of the argument against -126 (``ex2.approx.ftz``,
+    ``_common.exp2``, has none). ``spill_stores`` and
     ``spill_loads`` count ``STL``/``LDL``: local-memory traffic, which in these kernels is
     register spilling.
     """
@@ -376,11 +379,13 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
         "utcmma": sum(n for op, n in base.items() if op.startswith("UTC") and op.endswith("MMA")),  # sm_100 tcgen05
         "ex2": sum(o.startswith("MUFU.EX2") for o in ops),
         "expf": sum(o.startswith("FFMA.RM") for o in ops),
+        "ex2_subnormal": len(_EX2_SUBNORMAL_CHECK.findall(body)),
         "spill_stores": base["STL"],
         "spill_loads": base["LDL"],
     }
 
 
+_EX2_SUBNORMAL_CHECK = re.compile(r"\bFSETP\.GEU\.AND\s+U?P\d+,\s*U?PT,\s*\|?-?R\d+\|?,\s*-126,\s*U?PT\b")
 _SASS_INSTR = re.compile(
     r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
 _TENSOR_CORE_OPS = ("HGMMA", "HMMA")
@@ -732,6 +737,7 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
             "registers": m["registers"], "stack": m["stack"], "static_smem": m["static_smem"], "local": 0,
             "smem": smem, **occ, "waves": math.nan,
             "sass": "-", "hgmma": m.get("hgmma", 0), "hmma": 0, "utcmma": 0, "ex2": m.get("ex2", 0), "expf": "-",
+            "ex2_subnormal": "-",
             "spill_stores": m["spill_stores"], "spill_loads": m["spill_loads"],
             "wgmma_serialized": m["wgmma_serialized"], "setmaxnreg_ignored": m["setmaxnreg_ignored"],
             "tensor_core": "HGMMA" if m.get("hgmma") else "none",

@@ -19,7 +19,8 @@ KERNEL_OPS = [s.name for s in registry.ops() if s.has_kernels]
 # kernel that spills, or one of these that spills more, fails the gate. Empty since rope_bwd
 # took its sin/cos off libdevice (whose Payne-Hanek buffer was the last 32-byte stack).
 KNOWN_SPILLS: dict[tuple[str, ...], int] = {}
-# Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf.
+# Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf,
+# each without the subnormal-result fixup of PTX ex2.approx.f32 (_common.exp2's ftz form).
 EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd",
              "linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw"}
 # Kernels with no libdevice expf sequence at all (the scale pass of cross_entropy, group_norm).
@@ -139,6 +140,20 @@ def test_main_loop_is_the_smallest_innermost_tensor_core_loop():
     assert deviceless.main_loop(_SASS.replace("HGMMA", "FFMA")) is None
 
 
+def test_ex2_subnormal_fixup_is_recognised():
+    # PTX ex2.approx.f32 (jnp.exp2): ptxas compares the argument with -126 and halves it and
+    # squares the result where lower; ex2.approx.ftz.f32 is the MUFU.EX2 alone.
+    fixup = """
+        /*0150*/                   FSETP.GEU.AND P0, PT, R0, -126, PT ;
+        /*0160*/              @!P0 FMUL R0, R0, 0.5 ;
+        /*0170*/                   MUFU.EX2 R12, R0 ;
+        /*0180*/              @!P0 FMUL R12, R12, R12 ;
+        /*0190*/                   FSETP.GEU.AND P1, PT, |R27|, 1.175494350822287508e-38, PT ;
+"""
+    assert len(deviceless._EX2_SUBNORMAL_CHECK.findall(fixup)) == 1
+    assert not deviceless._EX2_SUBNORMAL_CHECK.findall(_SASS)
+
+
 def test_smem_over_the_opt_in_limit_fits_no_block():
     occ = deviceless.occupancy(deviceless.GPUS["a100"], registers=32, threads_per_block=128,
                                smem_per_block=200 * 1024)
@@ -220,6 +235,7 @@ def test_kernels_compile_for_gpus(op, compiled):
             assert r["spill_stores"] == 0, f"{where}: {r['spill_stores']} spill stores"
         if r["kernel"] in EXP2_ONLY:
             assert r["ex2"] > 0, f"{where}: no MUFU.EX2"
+            assert r["ex2_subnormal"] == 0, f"{where}: {r['ex2_subnormal']} MUFU.EX2 with the subnormal fixup"
         if r["kernel"] in NO_EXPF:
             assert r["expf"] == 0, f"{where}: {r['expf']} libdevice expf sequences"
         if op in IO_OVER_MIN:

@@ -176,16 +176,32 @@ def exp(x):
     about ten instructions (in the compiled SASS: one ``FFMA.RM`` per call site, the column
     ``expf`` of ``python -m jaxbwd compile``); ``exp2`` costs one multiply and the
     ``MUFU.EX2`` itself. Relative error about 2**-22 (PTX ``ex2.approx``) against expf's
-    1 ulp, well inside the f32 tolerances of softmax-based gradients. Where a scale
-    multiplies the argument anyway (attention), fold ``LOG2E`` into it and call
-    ``jnp.exp2`` directly.
+    1 ulp, well inside the f32 tolerances of softmax-based gradients. Softmax-type kernels
+    call :func:`exp2` instead (folding ``LOG2E`` into a scale they apply anyway, as
+    attention does).
     """
     return jnp.exp2(x * LOG2E)
 
 
-def sigmoid(x):
-    # 1 / (1 + exp(-x)) saturates cleanly to 0 and 1 in f32 (exp overflows to inf -> 0).
-    return 1.0 / (1.0 + jnp.exp(-x))
+def exp2(x):
+    """``2**x`` of an f32 array for the softmax-type kernels (attention, cross-entropy): on a
+    GPU the single instruction ``ex2.approx.ftz.f32``; in interpret mode ``jnp.exp2``.
+
+    Triton lowers ``jnp.exp2`` to PTX ``ex2.approx.f32``, which ptxas expands around the
+    MUFU.EX2 with a compare and two predicated multiplies so that results below 2**-126 come
+    out subnormal; the ``.ftz`` form is the MUFU.EX2 alone (what FlashAttention's CUDA kernels
+    get from nvcc's ``--use_fast_math``).
+    Same precision (2**-22 relative) for every normal result; results below 2**-126
+    (1.2e-38) are 0, and a subnormal ``x`` reads as 0 (2**x = 1 either way). In a softmax,
+    a term that small is 2**-126 of the row's largest term (1): it changes neither the row
+    sum nor, beyond 1.2e-38 times the cotangent, a gradient. Kernels whose small results are
+    themselves outputs (the sigmoid tails of SiLU and GELU) keep :func:`exp`.
+    """
+    if _INTERPRETING.get():
+        return jnp.exp2(x)
+    (y,) = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
 
 
 # erfc(z) = t * exp(-z**2 + P(t)), t = 1 / (1 + z/2), z >= 0: P's coefficients, constant first.
@@ -574,7 +590,7 @@ def online_lse_update(m, s, x):
     """
     m_new = jnp.maximum(m, jnp.max(x, axis=-1))
     shift = finite_or_zero(m_new)
-    s_new = s * exp(m - shift) + jnp.sum(exp(x - shift[..., None]), axis=-1)
+    s_new = s * exp2((m - shift) * LOG2E) + jnp.sum(exp2((x - shift[..., None]) * LOG2E), axis=-1)
     return m_new, s_new
 
 

@@ -278,8 +278,8 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
             s = jnp.where(_mask(d, rows, cols, qs, ks), s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
+        alpha = C.exp2(m - m_safe)
+        p = C.exp2(s - m_safe[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + C.dot(p.astype(v.dtype), v)
         return acc, m_new, l
@@ -329,7 +329,7 @@ def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
     """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile;
     ``mask`` None for a block that needs none."""
     s, t = _logits(d, q, k)
-    p = jnp.exp2(s - (lse * C.LOG2E)[:, None])
+    p = C.exp2(s - (lse * C.LOG2E)[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dp = C.dot(do, v, trans_b=True)
@@ -477,7 +477,7 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
         _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
         s, t = _logits(d, q, k)  # base 2, as lse * log2(e)
-        p = jnp.where(_mask(d, rows, cols, qs, ks), jnp.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
+        p = jnp.where(_mask(d, rows, cols, qs, ks), C.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
         ds = (C.dot(dq, k, trans_b=True) + C.dot(q, dk, trans_b=True)) * d.scale
         if t is not None:
             ds = ds * (1.0 - t * t)

@@ -243,7 +243,7 @@ def _row_terms(d: Dims, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask):
 def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, dtype):
     lab, m, a, b, c = terms
     z, t = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
-    dz = C.exp(z - m[:, None]) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
+    dz = C.exp2((z - m[:, None]) * C.LOG2E) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
     if d.eps:
         dz = dz - c[:, None]
     if t is not None:
