@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxbwd
-from jaxbwd import reference
+from jaxbwd import reference, testing
 from jaxbwd.vjp._derivatives import FORWARD_MODE
 
 f32, i32 = jnp.float32, jnp.int32
@@ -712,3 +712,38 @@ def test_softmax_of_a_row_with_plus_inf_is_nan_as_jax_nn(impl):
     assert bool(jnp.all(jnp.isnan(g[:2])))
     g_nn = jax.grad(lambda x: jnp.sum(jnp.sin(jax.nn.softmax(x))))(x)
     chex.assert_trees_all_close(g[2:], jnp.stack([jnp.zeros(3), g_nn[3]]), rtol=1e-6)
+
+
+def _vmapped_weight_case(op):
+    """f(x, w) of one op with x shared and w batched under vmap, and (x, a batch of 2 w)."""
+    k = jax.random.split(jax.random.PRNGKey(3), 2)
+    labels = jnp.array([1, 0, 10, 3, 4, 5])
+    if op == "dense-attention":  # a bias sends attention to its dense XLA path
+        x = jax.random.normal(k[0], (1, 6, 2, 8))
+        bias = jnp.linspace(-1, 1, 72).reshape(1, 2, 6, 6)
+        return (lambda q, kv: jaxbwd.dot_product_attention(q, kv, kv, bias=bias, implementation="xla"),
+                x, jax.random.normal(k[1], (2, 1, 6, 2, 8)))
+    x = jax.random.normal(k[0], (6, 8))
+    if op == "matmul":
+        return lambda x, w: jaxbwd.matmul(x, w, implementation="xla"), x, jax.random.normal(k[1], (2, 8, 13))
+    transpose = op.endswith("transpose_w")
+    w = jax.random.normal(k[1], (2, 13, 8) if transpose else (2, 8, 13)) * 0.5
+    return (lambda x, w: jaxbwd.linear_cross_entropy(x, w, labels, transpose_w=transpose, implementation="xla"),
+            x, w)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["matmul", "linear_cross_entropy", "linear_cross_entropy-transpose_w", "dense-attention"])
+def test_16bit_grads_of_a_vmapped_weight_on_the_xla_path(op, dtype):
+    """vmap over a weight against shared activations, 16-bit, XLA path: XLA's CPU runtime has
+    no 16-bit x 16-bit -> f32 dot in the layouts this gives (``vjp._base.dot_operands``); the
+    gradients equal the float32 ones to 16-bit rounding."""
+    f, x, ws = _vmapped_weight_case(op)
+
+    def grads(x, ws):
+        return jax.grad(lambda ws: jnp.sum(jax.vmap(lambda w: f(x, w))(ws).astype(jnp.float32)))(ws)
+
+    g = jax.jit(grads)(x.astype(dtype), ws.astype(dtype))
+    assert g.dtype == jnp.dtype(dtype)
+    want = grads(x.astype(dtype).astype(jnp.float32), ws.astype(dtype).astype(jnp.float32))
+    testing.assert_close(g, want, testing.TOL[dtype])

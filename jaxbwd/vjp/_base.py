@@ -323,6 +323,21 @@ def acc_dtype(*xs):
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
+def dot_operands(*xs):
+    """The operands of an XLA path's f32-accumulating dot (``preferred_element_type``).
+
+    XLA's CPU runtime has no 16-bit x 16-bit -> float32 dot for some operand layouts, and
+    ``vmap`` produces them (a batched weight against shared activations fails with
+    "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"). On the CPU
+    backend, bfloat16 and float16 operands therefore go in as float32: a product of two
+    such values is exact in float32, so the dot is the same but for the order of its sum.
+    Elsewhere they are returned as they are (16-bit tensor-core dots on GPU)."""
+    if jax.default_backend() != "cpu":
+        return xs
+    return tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
+                 else x for x in xs)
+
+
 def centered_stats(xf, axes: Sequence[int], combine=None):
     """Mean and biased variance of ``xf`` over ``axes`` (the reduced axes removed), by the
     corrected two-pass algorithm: a first mean ``m0``, then in one pass over ``d = xf - m0``

@@ -403,7 +403,7 @@ def _dense_attention(q, k, v, bias, mask, jmask_fn, qseg, kseg, cfg: _Cfg):
     Bsz, T, N, H = q.shape
     Skv, K = k.shape[1], k.shape[2]
     acc = B.acc_dtype(q)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(Bsz, T, K, N // K, H), k,
+    logits = jnp.einsum("btkgh,bskh->bkgts", *B.dot_operands(q.reshape(Bsz, T, K, N // K, H), k),
                         preferred_element_type=acc).reshape(Bsz, N, T, Skv) * cfg.scale
     if cfg.softcap is not None:
         logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)

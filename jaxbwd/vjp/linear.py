@@ -24,7 +24,7 @@ from jaxbwd import sharding as S
 @custom_op
 def _matmul(x, w):
     acc = B.acc_dtype(x, w)
-    y = jnp.matmul(x, w, preferred_element_type=acc, out_sharding=S.matmul_out_spec(x, w))
+    y = jnp.matmul(*B.dot_operands(x, w), preferred_element_type=acc, out_sharding=S.matmul_out_spec(x, w))
     return y.astype(jnp.result_type(x, w))
 
 
@@ -35,8 +35,9 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(res, dy):
     x, w = res
     acc, lead = B.acc_dtype(x, w), tuple(range(x.ndim - 1))
-    dx = jnp.matmul(dy, w.T, preferred_element_type=acc, out_sharding=S.spec(x)).astype(x.dtype)
-    dw = jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=acc, out_sharding=S.spec(w))
+    xo, wo, dyo = B.dot_operands(x, w, dy)
+    dx = jnp.matmul(dyo, wo.T, preferred_element_type=acc, out_sharding=S.spec(x)).astype(x.dtype)
+    dw = jax.lax.dot_general(xo, dyo, ((lead, lead), ((), ())), preferred_element_type=acc, out_sharding=S.spec(w))
     return dx, dw.astype(w.dtype)
 
 

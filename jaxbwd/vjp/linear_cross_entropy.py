@@ -94,7 +94,7 @@ def _w_chunk(w, start, c, transpose_w):
 
 def _xw(x2, wc, transpose_w, acc):
     dims = (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(x2, wc, dims, preferred_element_type=acc)
+    return jax.lax.dot_general(*B.dot_operands(x2, wc), dims, preferred_element_type=acc)
 
 
 def _chunk(cfg, x2, w, j, c, V, acc):
@@ -161,14 +161,15 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
             dz = dz * (1.0 - t * t)
         # The clamped last chunk's repeated columns contribute nothing (and add 0 to dw).
         dz = jnp.where(fresh[None, :], dz, 0.0).astype(x2.dtype)
+        dzo, xo, wco = B.dot_operands(dz, x2, wc)
         if cfg.transpose_w:
-            dx = dx + jnp.matmul(dz, wc, preferred_element_type=acc)
-            dwc = jax.lax.dot_general(dz, x2, contract, preferred_element_type=acc)  # [c, D]
+            dx = dx + jnp.matmul(dzo, wco, preferred_element_type=acc)
+            dwc = jax.lax.dot_general(dzo, xo, contract, preferred_element_type=acc)  # [c, D]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=0)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=0)
         else:
-            dx = dx + jax.lax.dot_general(dz, wc, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-            dwc = jax.lax.dot_general(x2, dz, contract, preferred_element_type=acc)  # [D, c]
+            dx = dx + jax.lax.dot_general(dzo, wco, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+            dwc = jax.lax.dot_general(xo, dzo, contract, preferred_element_type=acc)  # [D, c]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=1)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=1)
         return (dx, dw), None
