@@ -3,7 +3,8 @@
 A small residual network: conv2d stem, residual blocks of [group_norm + fused SiLU ->
 conv2d] x 2, then conv2d to 3 * 2 * 2 channels and pixel_shuffle(2), added to a
 bilinear upsample2d of the input. Trained on random crops of bundled images (downsampled
-by 2x2 averaging), evaluated by PSNR on held-out images against bicubic upsampling.
+by 2x2 averaging), evaluated by PSNR on the top-left 256 x 256 crop of each held-out image
+against bicubic upsampling.
 Saves ``runs/<name>/superres.png`` (low-res | bicubic | model | high-res) and metrics.json.
 
 With ``--r1 GAMMA`` the network also trains against a small patch discriminator (a
@@ -12,8 +13,9 @@ non-saturating GAN loss, weight ``--adv-weight``) regularised by the R1 gradient
 for GANs do actually Converge?", eq. 9; StyleGAN2 trains with it). The penalty's
 gradient with respect to the discriminator's parameters is a second derivative through
 conv2d, group_norm, bias_add, upsample2d and residual_add, so it runs jaxbwd's
-second-order rules; with ``--implementation pallas`` the first derivative runs the
-backward kernels and the second differentiates them.
+second-order rules. With ``--implementation pallas`` those go through the JVP of each op's
+XLA backward formula (README, "Derivatives"): the penalty's gradient runs no backward kernel
+but bias_add's, while the generator's and the discriminator's loss gradients run the kernels.
 
     python examples/train_superres.py                 # XLA backward on CPU, a few minutes
     python examples/train_superres.py --implementation pallas --steps 3 --crop 16   # kernels, interpret mode
@@ -126,7 +128,8 @@ def psnr(a, b) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000, about 1-2 minutes on CPU)")
+    p.add_argument("--steps", type=int, default=1000,
+                   help="training steps (default 1000, about 1-2 minutes on CPU, about 4 with --r1)")
     p.add_argument("--batch", type=int, default=16, help="crops per step")
     p.add_argument("--crop", type=int, default=48, help="high-res crop size in pixels (even; the input is half of it)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay to 5%%)")
@@ -138,13 +141,16 @@ def main(argv=None) -> int:
     p.add_argument("--r1", type=float, default=None, metavar="GAMMA",
                    help="also train adversarially against a patch discriminator with an R1 gradient penalty of "
                         "weight GAMMA (a second derivative through the vision ops); default: off")
-    p.add_argument("--adv-weight", type=float, default=0.01,
-                   help="weight of the generator's adversarial loss next to the pixel MSE with --r1 (default 0.01)")
+    p.add_argument("--adv-weight", type=float, default=None,
+                   help="weight of the generator's adversarial loss next to the pixel MSE; needs --r1 (default 0.01)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for flag, v in (("--steps", args.steps), ("--batch", args.batch)):
         if v < 1:
             p.error(f"{flag} must be >= 1, got {v}")
+    if args.adv_weight is not None and args.r1 is None:
+        p.error("--adv-weight weighs the adversarial loss, which only --r1 GAMMA trains")
+    args.adv_weight = 0.01 if args.adv_weight is None else args.adv_weight
     for flag, v in (("--lr", args.lr), ("--adv-weight", args.adv_weight)):
         if not (math.isfinite(v) and v > 0):
             p.error(f"{flag} must be a positive number, got {v}")
@@ -156,6 +162,13 @@ def main(argv=None) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: is a file, not a folder")
     impl = args.implementation
+    # The run's folder before training, so that a folder that cannot be made stops the run now.
+    default_name = f"superres-{impl or jaxbwd.config.default_implementation()}" + ("-r1" if args.r1 is not None else "")
+    out = pathlib.Path(args.out) / (args.name or default_name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot create {out}: {e.strerror or e}")
     if impl == "pallas" and jax.default_backend() != "gpu":
         jaxbwd.config.set_default(interpret=True)
         print("note: no GPU, Pallas kernels run in interpret mode (slow): use few --steps and a small --crop")
@@ -235,9 +248,6 @@ def main(argv=None) -> int:
         results.append({"image": name, "psnr_bicubic": psnr(bicubic, hr), "psnr_model": psnr(pred, hr)})
         near = np.repeat(np.repeat(lr, 2, 0), 2, 1)
         panels.append(np.concatenate([near, np.clip(bicubic, 0, 1), np.clip(pred, 0, 1), hr], axis=1))
-    out = pathlib.Path(args.out) / (args.name or f"superres-{impl or jaxbwd.config.default_implementation()}"
-                                      + ("-r1" if args.r1 is not None else ""))
-    out.mkdir(parents=True, exist_ok=True)
     _save(panels, out / "superres.png")
     mean_b = float(np.mean([r["psnr_bicubic"] for r in results]))
     mean_m = float(np.mean([r["psnr_model"] for r in results]))

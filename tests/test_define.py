@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxbwd
@@ -390,3 +391,14 @@ def test_rules_of_ordinary_user_ops_pass_the_form_checks():
                           backward=lambda r, d: (d @ r[0].mT + r[0].mT @ d,))
     a = jnp.arange(8.0).reshape(2, 2, 2)
     jaxbwd.testing.assert_close(jax.grad(lambda a: jnp.sum(sq(a)))(a), jax.grad(lambda a: jnp.sum(a @ a))(a), 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_squared_relu_float64_is_computed_in_float64(impl):
+    """The worked example's kernel computes in float64 for float64 x, as its XLA path does
+    (it cast to float32 before: 2e-8 off at x = 0.1)."""
+    with jax.enable_x64(True), jaxbwd.config.use(interpret=True):
+        x = jnp.array([0.1, -0.3, 1e-9, 3.0], jnp.float64)
+        g = jax.grad(lambda x: jnp.sum(squared_relu.squared_relu(x, implementation=impl)))(x)
+    assert g.dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(g), 2.0 * np.maximum(np.asarray(x), 0.0))

@@ -45,6 +45,50 @@ def test_train_lm_tiny_loss_goes_down(tmp_path):
                      stdout, re.M), stdout
 
 
+def test_train_lm_unigram_baseline_on_the_evaluated_bytes(tmp_path):
+    """The held-out figure and the unigram baseline it is printed against are taken on the
+    same bytes (with the tiny preset's 512 evaluated bytes, the whole held-out set's unigram
+    figure is not comparable)."""
+    lm = _example_module("train_lm")
+    _run(["examples/train_lm.py", "--preset", "tiny", "--steps", "2", "--max-bytes", "200000", "--name", "u"], tmp_path)
+    m = json.loads((tmp_path / "u" / "metrics.json").read_text())
+    cfg = lm.PRESETS["tiny"]
+    train, held = lm.load_data(None, 200000)
+    it = lm.batches(held, cfg, np.random.default_rng(cfg.seed + 1))
+    targets = np.concatenate([next(it)[1].ravel() for _ in range(cfg.eval_batches)])
+    assert m["eval_bytes"] == targets.size == cfg.eval_batches * cfg.batch_size * cfg.seq_len
+    assert m["unigram_bits_per_byte"] == pytest.approx(lm.unigram_bits_per_byte(train, targets), abs=1e-9)
+    assert m["unigram_bits_per_byte_all_held_out"] == pytest.approx(lm.unigram_bits_per_byte(train, held), abs=1e-9)
+
+
+@pytest.mark.parametrize("script", ["train_lm.py", "train_superres.py"])
+def test_an_out_folder_that_cannot_be_made_stops_before_training(script, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = subprocess.run([sys.executable, f"examples/{script}", "--steps", "1", "--max-bytes", "200000"][
+                         : 4 if script == "train_superres.py" else None] + ["--out", str(blocker / "runs"), "--no-progress"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"error: --out {blocker / 'runs'}: cannot create" in out.stderr
+    assert "train" not in out.stdout and "Traceback" not in out.stderr
+
+
+def test_squared_relu_script_exits_1_when_a_row_fails(tmp_path):
+    """examples/squared_relu.py as a check: rc 0 with every row ok; a copy with a wrong
+    backward formula (3 max(x, 0) instead of 2) prints FAIL rows and exits 1."""
+    source = (ROOT / "examples" / "squared_relu.py").read_text()
+    good = subprocess.run([sys.executable, "examples/squared_relu.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert len(re.findall(r"scaled err \S+ ok$", good.stdout, re.M)) == 4
+    broken = tmp_path / "broken_relu.py"
+    assert source.count("2.0 * jnp.maximum") == 2
+    broken.write_text(source.replace("2.0 * jnp.maximum", "3.0 * jnp.maximum"))
+    bad = subprocess.run([sys.executable, str(broken)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert bad.stdout.count("FAIL") == 2 and "scaled err 5.00e-01 FAIL" in bad.stdout
+
+
 def test_train_lm_check_grads_match_plain_model(tmp_path):
     out = subprocess.run([sys.executable, "examples/train_lm.py", "--preset", "tiny", "--check", "--max-bytes", "200000"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
