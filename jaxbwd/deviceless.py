@@ -385,7 +385,8 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
     }
 
 
-_EX2_SUBNORMAL_CHECK = re.compile(r"\bFSETP\.GEU\.AND\s+U?P\d+,\s*U?PT,\s*\|?-?R\d+\|?,\s*-126,\s*U?PT\b")
+_EX2_SUBNORMAL_CHECK = re.compile(
+    r"\bFSETP\.GEU\.AND\s+U?P\d+,\s*U?PT,\s*\|?-?R\d+(?:\.reuse)?\|?,\s*-126,\s*U?PT\b")
 _SASS_INSTR = re.compile(
     r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
 _TENSOR_CORE_OPS = ("HGMMA", "HMMA")

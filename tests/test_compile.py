@@ -149,8 +149,9 @@ def test_ex2_subnormal_fixup_is_recognised():
         /*0170*/                   MUFU.EX2 R12, R0 ;
         /*0180*/              @!P0 FMUL R12, R12, R12 ;
         /*0190*/                   FSETP.GEU.AND P1, PT, |R27|, 1.175494350822287508e-38, PT ;
+        /*01a0*/                   FSETP.GEU.AND P6, PT, R93.reuse, -126, PT ;
 """
-    assert len(deviceless._EX2_SUBNORMAL_CHECK.findall(fixup)) == 1
+    assert len(deviceless._EX2_SUBNORMAL_CHECK.findall(fixup)) == 2
     assert not deviceless._EX2_SUBNORMAL_CHECK.findall(_SASS)
 
 

@@ -193,9 +193,10 @@ def exp2(x):
     get from nvcc's ``--use_fast_math``).
     Same precision (2**-22 relative) for every normal result; results below 2**-126
     (1.2e-38) are 0, and a subnormal ``x`` reads as 0 (2**x = 1 either way). In a softmax,
-    a term that small is 2**-126 of the row's largest term (1): it changes neither the row
-    sum nor, beyond 1.2e-38 times the cotangent, a gradient. Kernels whose small results are
-    themselves outputs (the sigmoid tails of SiLU and GELU) keep :func:`exp`.
+    a term that small is 2**-126 of the row's largest term (1): it leaves the row sum as it
+    is, and moves its share of a gradient by at most 1.2e-38 times its cotangent (a gradient
+    summed over rows, as attention's dK and dV, by that times their number). Kernels whose
+    small results are themselves outputs (the sigmoid tails of SiLU and GELU) keep :func:`exp`.
     """
     if _INTERPRETING.get():
         return jnp.exp2(x)
