@@ -747,3 +747,18 @@ def test_16bit_grads_of_a_vmapped_weight_on_the_xla_path(op, dtype):
     assert g.dtype == jnp.dtype(dtype)
     want = grads(x.astype(dtype).astype(jnp.float32), ws.astype(dtype).astype(jnp.float32))
     testing.assert_close(g, want, testing.TOL[dtype])
+
+
+@pytest.mark.parametrize("platform, operand", [("cuda", "bf16"), ("cpu", "f32")])
+def test_16bit_xla_dots_upcast_only_where_lowered_for_cpu(platform, operand):
+    """The CPU workaround above is chosen per lowering platform: lowered for CUDA (from this
+    CPU machine too) the XLA path's dots keep bfloat16 operands for the tensor cores."""
+    import re
+
+    x, w = jax.ShapeDtypeStruct((6, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 13), jnp.bfloat16)
+    f = jax.value_and_grad(lambda x, w: jnp.sum(jaxbwd.matmul(x, w, implementation="xla").astype(jnp.float32)),
+                           argnums=(0, 1))
+    text = jax.jit(f).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general[^\n]*: \((tensor<[^)]*)\)", text)
+    assert len(dots) == 3, dots  # the forward's y and the backward's dx and dw
+    assert all(re.fullmatch(rf"tensor<\w+x{operand}>, tensor<\w+x{operand}>", d) for d in dots), dots

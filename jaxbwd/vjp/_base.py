@@ -323,19 +323,25 @@ def acc_dtype(*xs):
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
-def dot_operands(*xs):
-    """The operands of an XLA path's f32-accumulating dot (``preferred_element_type``).
+def dot_16bit(dot, *xs):
+    """``dot(*xs)`` for an XLA path's f32-accumulating dot (``preferred_element_type``) of
+    operands that may be 16-bit, with the operands as they are on GPU (16-bit tensor-core
+    dots) and, where the computation is lowered for CPU, bfloat16 and float16 ones as float32.
 
     XLA's CPU runtime has no 16-bit x 16-bit -> float32 dot for some operand layouts, and
     ``vmap`` produces them (a batched weight against shared activations fails with
-    "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"). On the CPU
-    backend, bfloat16 and float16 operands therefore go in as float32: a product of two
-    such values is exact in float32, so the dot is the same but for the order of its sum.
-    Elsewhere they are returned as they are (16-bit tensor-core dots on GPU)."""
-    if jax.default_backend() != "cpu":
-        return xs
-    return tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
-                 else x for x in xs)
+    "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"). A product of two
+    16-bit floats is exact in float32, so the CPU dot is the same but for the order of its
+    sum. The choice is made per lowering platform (``jax.lax.platform_dependent``), not by
+    the default backend: a CPU host lowering for CUDA keeps the 16-bit dot, a GPU host
+    running on its CPU device gets the float32 one."""
+    def upcast(*ys):
+        return dot(*(y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) and y.dtype.itemsize == 2
+                     else y for y in ys))
+
+    if not any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2 for x in xs):
+        return dot(*xs)
+    return jax.lax.platform_dependent(*xs, cpu=upcast, default=dot)
 
 
 def centered_stats(xf, axes: Sequence[int], combine=None):

@@ -403,8 +403,8 @@ def _dense_attention(q, k, v, bias, mask, jmask_fn, qseg, kseg, cfg: _Cfg):
     Bsz, T, N, H = q.shape
     Skv, K = k.shape[1], k.shape[2]
     acc = B.acc_dtype(q)
-    logits = jnp.einsum("btkgh,bskh->bkgts", *B.dot_operands(q.reshape(Bsz, T, K, N // K, H), k),
-                        preferred_element_type=acc).reshape(Bsz, N, T, Skv) * cfg.scale
+    logits = B.dot_16bit(lambda q, k: jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=acc),
+                         q.reshape(Bsz, T, K, N // K, H), k).reshape(Bsz, N, T, Skv) * cfg.scale
     if cfg.softcap is not None:
         logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)
     if bias is not None:

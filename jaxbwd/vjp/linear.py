@@ -24,7 +24,8 @@ from jaxbwd import sharding as S
 @custom_op
 def _matmul(x, w):
     acc = B.acc_dtype(x, w)
-    y = jnp.matmul(*B.dot_operands(x, w), preferred_element_type=acc, out_sharding=S.matmul_out_spec(x, w))
+    out = S.matmul_out_spec(x, w)
+    y = B.dot_16bit(lambda x, w: jnp.matmul(x, w, preferred_element_type=acc, out_sharding=out), x, w)
     return y.astype(jnp.result_type(x, w))
 
 
@@ -35,9 +36,11 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(res, dy):
     x, w = res
     acc, lead = B.acc_dtype(x, w), tuple(range(x.ndim - 1))
-    xo, wo, dyo = B.dot_operands(x, w, dy)
-    dx = jnp.matmul(dyo, wo.T, preferred_element_type=acc, out_sharding=S.spec(x)).astype(x.dtype)
-    dw = jax.lax.dot_general(xo, dyo, ((lead, lead), ((), ())), preferred_element_type=acc, out_sharding=S.spec(w))
+    x_spec, w_spec = S.spec(x), S.spec(w)
+    dx = B.dot_16bit(lambda dy, w: jnp.matmul(dy, w.T, preferred_element_type=acc, out_sharding=x_spec), dy, w)
+    dw = B.dot_16bit(lambda x, dy: jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=acc,
+                                                       out_sharding=w_spec), x, dy)
+    dx = dx.astype(x.dtype)
     return dx, dw.astype(w.dtype)
 
 

@@ -94,7 +94,7 @@ def _w_chunk(w, start, c, transpose_w):
 
 def _xw(x2, wc, transpose_w, acc):
     dims = (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(*B.dot_operands(x2, wc), dims, preferred_element_type=acc)
+    return B.dot_16bit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=acc), x2, wc)
 
 
 def _chunk(cfg, x2, w, j, c, V, acc):
@@ -150,6 +150,9 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
     b, cc = (1.0 - cfg.eps) * g, (cfg.eps / cfg.n_classes) * g
     contract = (((0,), (0,)), ((), ()))
 
+    def mm(a, b, dims):
+        return B.dot_16bit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=acc), a, b)
+
     def body(carry, j):
         dx, dw = carry
         start, cols, fresh, wc, z, t = _chunk(cfg, x2, w, j, c, V, acc)
@@ -161,15 +164,14 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
             dz = dz * (1.0 - t * t)
         # The clamped last chunk's repeated columns contribute nothing (and add 0 to dw).
         dz = jnp.where(fresh[None, :], dz, 0.0).astype(x2.dtype)
-        dzo, xo, wco = B.dot_operands(dz, x2, wc)
         if cfg.transpose_w:
-            dx = dx + jnp.matmul(dzo, wco, preferred_element_type=acc)
-            dwc = jax.lax.dot_general(dzo, xo, contract, preferred_element_type=acc)  # [c, D]
+            dx = dx + mm(dz, wc, (((1,), (0,)), ((), ())))
+            dwc = mm(dz, x2, contract)  # [c, D]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=0)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=0)
         else:
-            dx = dx + jax.lax.dot_general(dzo, wco, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-            dwc = jax.lax.dot_general(xo, dzo, contract, preferred_element_type=acc)  # [D, c]
+            dx = dx + mm(dz, wc, (((1,), (1,)), ((), ())))
+            dwc = mm(x2, dz, contract)  # [D, c]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=1)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=1)
         return (dx, dw), None
