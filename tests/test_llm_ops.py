@@ -1,6 +1,8 @@
 """Op-specific tests of embed, rope and cross_entropy (the registry contract covers the rest)."""
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -496,6 +498,49 @@ def test_kernel_sincos_special_values(xp):
     assert not np.signbit(s[0]) and np.signbit(s[1])  # sin(-0.0) = -0.0
     np.testing.assert_array_equal(c[:2], [1.0, 1.0])
     assert np.isnan(s[2:]).all() and np.isnan(c[2:]).all()  # documented: NaN from 2**36
+
+
+@contextlib.contextmanager
+def _as_interpret_mode():
+    """Kernel helpers evaluated as in an interpret-mode kernel (jnp.exp2 and a division
+    instead of the GPU's inline PTX)."""
+    token = pallas_common._INTERPRETING.set(True)
+    try:
+        yield
+    finally:
+        pallas_common._INTERPRETING.reset(token)
+
+
+@pytest.mark.parametrize("xp", [jnp, np], ids=["xla-fused-multiply-add", "numpy-separate-roundings"])
+@pytest.mark.parametrize("scale", [1.0, 1.0 / 30.0, -0.125, 0.125 ** 0.5 / 4.0])
+def test_kernel_tanh_with_grad_against_float64(scale, xp):
+    """The logit softcaps' tanh and its derivative (``_common.tanh_with_grad``, no libdevice)
+    within the documented error of float64: tanh to 1.4e-7 and the derivative to 1.6e-7
+    absolute, and the derivative to 1e-5 relative up to |scale x| = 43, where ``1 - t * t``
+    from a correctly rounded f32 tanh is off by more than its own value."""
+    rng = np.random.default_rng(0)
+    u = np.concatenate([rng.uniform(lo, hi, 100_000) for lo, hi in [(0, 1e-3), (1e-3, 1), (1, 9), (9, 43), (43, 99)]])
+    x = (u / scale).astype(np.float32)
+    x = np.concatenate([x, -x])
+    with np.errstate(over="ignore"), _as_interpret_mode():
+        t, dt = map(np.asarray, pallas_common.tanh_with_grad(xp.asarray(x), scale, xp=xp))
+    assert t.dtype == dt.dtype == np.float32
+    z = scale * x.astype(np.float64)
+    want_dt = 1.0 / np.cosh(z) ** 2
+    np.testing.assert_allclose(t, np.tanh(z), rtol=0, atol=1.4e-7)
+    np.testing.assert_allclose(dt, want_dt, rtol=0, atol=1.6e-7)
+    inside = np.abs(z) < 43
+    np.testing.assert_allclose(dt[inside], want_dt[inside], rtol=1e-5, atol=0)
+    assert np.max(np.abs((1 - np.tanh(x[inside] * np.float32(scale)) ** 2) / want_dt[inside] - 1)) > 1.0
+
+
+@pytest.mark.parametrize("xp", [jnp, np], ids=["xla", "numpy"])
+def test_kernel_tanh_with_grad_special_values(xp):
+    x = np.float32([0.0, -0.0, 44.5, -1e30, np.inf, -np.inf, np.nan])
+    with np.errstate(over="ignore", invalid="ignore"), _as_interpret_mode():
+        t, dt = map(np.asarray, pallas_common.tanh_with_grad(xp.asarray(x), xp=xp))
+    np.testing.assert_array_equal(t, [0.0, 0.0, 1.0, -1.0, 1.0, -1.0, np.nan])
+    np.testing.assert_array_equal(dt, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, np.nan])
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

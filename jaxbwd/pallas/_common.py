@@ -205,6 +205,48 @@ def exp2(x):
     return y
 
 
+def rcp(x):
+    """``1 / x`` of an f32 array for kernels: on a GPU the single instruction
+    ``rcp.approx.ftz.f32`` (at most 1 ulp off; Triton's division is ``div.full.f32``, a
+    reciprocal with range checks around it); in interpret mode ``1 / x``. For divisors
+    whose subnormal range does not matter (subnormal ``x`` reads as 0, giving inf)."""
+    if _INTERPRETING.get():
+        return 1.0 / x
+    (y,) = plgpu.elementwise_inline_asm("rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
+
+
+def tanh_with_grad(x, scale: float = 1.0, xp=jnp):
+    """``(tanh(scale * x), 1 - tanh(scale * x)**2)`` of an f32 array for kernels, from one
+    :func:`exp2` and one :func:`rcp` (``scale``: a static Python float, folded into the
+    exponent's multiply; ``xp=numpy`` evaluates the same formula in NumPy, for tests).
+
+    Triton lowers ``jnp.tanh`` to libdevice ``tanhf``, which evaluates a polynomial for small
+    arguments and an exponential form for large ones and selects between them, per element.
+    Here only the exponential form: with ``e = 2**(2 log2(e) |scale x|)`` and
+    ``r = 2 / (e + 1) = 1 - tanh|scale x|``, ``tanh = sign(scale x) (1 - r)`` and the
+    derivative ``r (2 - r)``, which keeps its relative precision as tanh saturates (where
+    ``1 - t * t`` from a rounded t cancels). ``e`` overflows to inf past |scale x| = 44,
+    giving r = 0: tanh = +-1 and a zero derivative, as in exact arithmetic; NaN stays NaN.
+
+    Error against float64 (checked in XLA's fused and NumPy's separate f32 roundings, with a
+    correctly rounded ``exp2`` and division; ``ex2.approx`` and ``rcp.approx`` add about
+    1e-7): tanh within 1.4e-7 absolute (a correctly rounded f32 tanh: 6e-8), so its relative
+    error is large below |scale x| ~ 1e-3; the derivative within 1.6e-7 absolute and, up to
+    |scale x| = 43, 1e-5 relative. The kernels use it for logit softcaps (``c tanh(z / c)``),
+    where the logit's absolute error, ``c`` times tanh's, is what enters the softmax.
+    """
+    if xp is jnp:
+        e = exp2(jnp.abs(x) * (2.0 * LOG2E * abs(scale)))
+        r = 2.0 * rcp(e + 1.0)
+    else:
+        e = xp.exp2(xp.abs(x) * (2.0 * LOG2E * abs(scale)))
+        r = 2.0 / (e + 1.0)
+    t = 1.0 - r
+    return xp.where((x < 0) if scale >= 0 else (x > 0), -t, t), r * (2.0 - r)
+
+
 # erfc(z) = t * exp(-z**2 + P(t)), t = 1 / (1 + z/2), z >= 0: P's coefficients, constant first.
 _ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587,
            -0.82215223, 0.17087277)

@@ -222,8 +222,8 @@ def _logits(d: Dims, q, k):
     qk = C.dot(q, k, trans_b=True)
     if d.softcap is None:
         return qk * (d.scale * C.LOG2E), None
-    t = jnp.tanh(qk * (d.scale / d.softcap))
-    return (d.softcap * C.LOG2E) * t, t
+    t, dt = C.tanh_with_grad(qk, d.scale / d.softcap)
+    return (d.softcap * C.LOG2E) * t, dt
 
 
 def _tile(ref, b, L, rows, head, H, Hp, rmask):
@@ -328,14 +328,14 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
 def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
     """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile;
     ``mask`` None for a block that needs none."""
-    s, t = _logits(d, q, k)
+    s, dt = _logits(d, q, k)
     p = C.exp2(s - (lse * C.LOG2E)[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dp = C.dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    if t is not None:
-        ds = ds * (1.0 - t * t)
+    if dt is not None:
+        ds = ds * dt
     return p, ds
 
 
@@ -476,11 +476,11 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
         _, _, dk = _tile(dk_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
-        s, t = _logits(d, q, k)  # base 2, as lse * log2(e)
+        s, dt = _logits(d, q, k)  # base 2, as lse * log2(e)
         p = jnp.where(_mask(d, rows, cols, qs, ks), C.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
         ds = (C.dot(dq, k, trans_b=True) + C.dot(q, dk, trans_b=True)) * d.scale
-        if t is not None:
-            ds = ds * (1.0 - t * t)
+        if dt is not None:
+            ds = ds * dt
         pds = p * ds
         acc = acc + C.dot(p.astype(dv.dtype), dv) + C.dot(pds.astype(v.dtype), v)
         return acc, rs + jnp.sum(pds, axis=1)

@@ -146,8 +146,8 @@ def _logit_tile(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, bt: int, bv: in
     z = lax.fori_loop(0, C.cdiv(d.D, bd), body, jnp.zeros((bt, bv), jnp.float32))
     if d.softcap is None:
         return z, None
-    t = jnp.tanh(z * (1.0 / d.softcap))
-    return d.softcap * t, t
+    t, dt = C.tanh_with_grad(z, 1.0 / d.softcap)
+    return d.softcap * t, dt
 
 
 # ---------------------------------------------------------------------------- forward
@@ -242,12 +242,12 @@ def _row_terms(d: Dims, lab_ref, m_ref, s_ref, g_ref, gl_ref, rows, rmask):
 
 def _dlogits(d: Dims, x_ref, w_ref, rows, rmask, cols, cmask, terms, bt, bv, bd, dtype):
     lab, m, a, b, c = terms
-    z, t = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
+    z, dt = _logit_tile(d, x_ref, w_ref, rows, rmask, cols, cmask, bt, bv, bd)
     dz = C.exp2((z - m[:, None]) * C.LOG2E) * a[:, None] - jnp.where(cols[None, :] == lab[:, None], b[:, None], 0.0)
     if d.eps:
         dz = dz - c[:, None]
-    if t is not None:
-        dz = dz * (1.0 - t * t)
+    if dt is not None:
+        dz = dz * dt
     return jnp.where(cmask[None, :], dz, 0.0).astype(dtype)
 
 
