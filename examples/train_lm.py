@@ -372,16 +372,6 @@ def main(argv=None) -> int:
         print(f"check {'passed' if worst < 1e-3 else 'FAILED'}: the largest relative grad difference must be below 1e-3")
         return 0 if worst < 1e-3 else 1
 
-    # The run's folder before training, so that a folder that cannot be made stops the run now.
-    mesh_tag = f"-{args.mesh.replace('=', '').replace(',', '-')}-{args.axis_type}" if args.mesh else ""
-    head_tag = "-unfused" if args.head == "unfused" else ""
-    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}{head_tag}{mesh_tag}"
-    out = pathlib.Path(args.out) / name
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out}: cannot create {out}: {e.strerror or e}")
-
     model = LM(cfg, jaxbwd_ops(impl, args.head))
     params = model.init(jax.random.PRNGKey(cfg.seed), jnp.asarray(x0))["params"]
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -402,6 +392,16 @@ def main(argv=None) -> int:
               f"{jax.default_backend()} devices")
     else:
         put = lambda *a: a  # noqa: E731
+    # The run's folder after the checks and before training, so that a folder that cannot be
+    # made stops the run before any step.
+    mesh_tag = f"-{args.mesh.replace('=', '').replace(',', '-')}-{args.axis_type}" if args.mesh else ""
+    head_tag = "-unfused" if args.head == "unfused" else ""
+    name = args.name or f"{args.preset}-{impl or jaxbwd.config.default_implementation()}{head_tag}{mesh_tag}"
+    out = pathlib.Path(args.out) / name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot create {out}: {e.strerror or e}")
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return _train(args, cfg, out, model, params, train, held, train_it, x0, y0, put, n_params)
 

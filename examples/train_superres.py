@@ -148,12 +148,13 @@ def main(argv=None) -> int:
     for flag, v in (("--steps", args.steps), ("--batch", args.batch)):
         if v < 1:
             p.error(f"{flag} must be >= 1, got {v}")
-    if args.adv_weight is not None and args.r1 is None:
-        p.error("--adv-weight weighs the adversarial loss, which only --r1 GAMMA trains")
-    args.adv_weight = 0.01 if args.adv_weight is None else args.adv_weight
+    given_adv_weight = args.adv_weight is not None
+    args.adv_weight = args.adv_weight if given_adv_weight else 0.01
     for flag, v in (("--lr", args.lr), ("--adv-weight", args.adv_weight)):
         if not (math.isfinite(v) and v > 0):
             p.error(f"{flag} must be a positive number, got {v}")
+    if given_adv_weight and args.r1 is None:
+        p.error("--adv-weight weighs the adversarial loss, which only --r1 GAMMA trains")
     if args.crop < 2 or args.crop % 2:
         p.error(f"--crop must be even and >= 2, got {args.crop}")
     if args.r1 is not None and (args.crop % 4 or not args.r1 >= 0 or not math.isfinite(args.r1)):
@@ -162,13 +163,6 @@ def main(argv=None) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out}: is a file, not a folder")
     impl = args.implementation
-    # The run's folder before training, so that a folder that cannot be made stops the run now.
-    default_name = f"superres-{impl or jaxbwd.config.default_implementation()}" + ("-r1" if args.r1 is not None else "")
-    out = pathlib.Path(args.out) / (args.name or default_name)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out}: cannot create {out}: {e.strerror or e}")
     if impl == "pallas" and jax.default_backend() != "gpu":
         jaxbwd.config.set_default(interpret=True)
         print("note: no GPU, Pallas kernels run in interpret mode (slow): use few --steps and a small --crop")
@@ -177,6 +171,14 @@ def main(argv=None) -> int:
     largest = min(min(im.shape[:2]) for im in train)
     if args.crop > largest:
         p.error(f"--crop must be at most {largest} (the smallest training image's side), got {args.crop}")
+    # The run's folder after the checks and before training, so that a folder that cannot be
+    # made stops the run before any step.
+    default_name = f"superres-{impl or jaxbwd.config.default_implementation()}" + ("-r1" if args.r1 is not None else "")
+    out = pathlib.Path(args.out) / (args.name or default_name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot create {out}: {e.strerror or e}")
     rng = np.random.default_rng(0)
     model = SuperRes(implementation=impl)
     lr0 = downsample(random_crops(train, args.batch, args.crop, rng))

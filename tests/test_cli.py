@@ -242,12 +242,14 @@ def test_output_path_probe_leaves_things_as_they_were(tmp_path):
     ("train_superres", ["--lr", "nan"], "--lr must be a positive number, got nan"),
     ("train_superres", ["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     ("train_superres", ["--adv-weight", "inf"], "--adv-weight must be a positive number, got inf"),
+    ("train_superres", ["--adv-weight", "5"], "--adv-weight weighs the adversarial loss, which only --r1 GAMMA trains"),
     ("train_superres", ["--r1", "nan"], "--r1 needs a finite GAMMA >= 0 and a --crop that is a multiple of 4 "
                                         "(the discriminator downsamples twice), got GAMMA=nan, --crop 48"),
     ("train_superres", ["--crop", "5000"], "--crop must be at most 300 (the smallest training image's side), got 5000"),
     ("train_superres", ["--out", "{tmp}/small.txt"], "--out {tmp}/small.txt: is a file, not a folder"),
 ], ids=["lm-data-missing", "lm-data-folder", "lm-data-small", "lm-max-bytes", "lm-out-file", "sr-steps", "sr-batch",
-        "sr-crop-negative", "sr-lr-nan", "sr-lr-negative", "sr-adv-weight-inf", "sr-r1-nan", "sr-crop-large",
+        "sr-crop-negative", "sr-lr-nan", "sr-lr-negative", "sr-adv-weight-inf", "sr-adv-weight-without-r1",
+        "sr-r1-nan", "sr-crop-large",
         "sr-out-file"])
 def test_example_bad_arguments_are_argparse_errors(program, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "small.txt").write_text("hello")
