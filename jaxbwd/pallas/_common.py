@@ -198,11 +198,7 @@ def exp2(x):
     summed over rows, as attention's dK and dV, by that times their number). Kernels whose
     small results are themselves outputs (the sigmoid tails of SiLU and GELU) keep :func:`exp`.
     """
-    if _INTERPRETING.get():
-        return jnp.exp2(x)
-    (y,) = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-    return y
+    return jnp.exp2(x) if _INTERPRETING.get() else _ptx_f32("ex2.approx.ftz.f32", x)
 
 
 def rcp(x):
@@ -210,9 +206,13 @@ def rcp(x):
     ``rcp.approx.ftz.f32`` (at most 1 ulp off; Triton's division is ``div.full.f32``, a
     reciprocal with range checks around it); in interpret mode ``1 / x``. For divisors
     whose subnormal range does not matter (subnormal ``x`` reads as 0, giving inf)."""
-    if _INTERPRETING.get():
-        return 1.0 / x
-    (y,) = plgpu.elementwise_inline_asm("rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+    return 1.0 / x if _INTERPRETING.get() else _ptx_f32("rcp.approx.ftz.f32", x)
+
+
+def _ptx_f32(instruction: str, x):
+    """One elementwise PTX instruction on an f32 array (GPU kernels only: interpret mode
+    has no inline assembly)."""
+    (y,) = plgpu.elementwise_inline_asm(f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
     return y
 

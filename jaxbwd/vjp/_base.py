@@ -335,13 +335,13 @@ def dot_16bit(dot, *xs):
     sum. The choice is made per lowering platform (``jax.lax.platform_dependent``), not by
     the default backend: a CPU host lowering for CUDA keeps the 16-bit dot, a GPU host
     running on its CPU device gets the float32 one."""
-    def upcast(*ys):
-        return dot(*(y.astype(jnp.float32) if jnp.issubdtype(y.dtype, jnp.floating) and y.dtype.itemsize == 2
-                     else y for y in ys))
+    def is16(y):
+        return jnp.issubdtype(y.dtype, jnp.floating) and jnp.dtype(y.dtype).itemsize == 2
 
-    if not any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2 for x in xs):
-        return dot(*xs)
-    return jax.lax.platform_dependent(*xs, cpu=upcast, default=dot)
+    def upcast(*ys):
+        return dot(*(y.astype(jnp.float32) if is16(y) else y for y in ys))
+
+    return jax.lax.platform_dependent(*xs, cpu=upcast, default=dot) if any(map(is16, xs)) else dot(*xs)
 
 
 def centered_stats(xf, axes: Sequence[int], combine=None):

@@ -92,9 +92,13 @@ def _w_chunk(w, start, c, transpose_w):
     return jax.lax.dynamic_slice_in_dim(w, start, c, axis=1)
 
 
+def _dot(a, b, dims, acc):
+    """``dot_general`` accumulating in ``acc`` (16-bit operands: ``_base.dot_16bit``)."""
+    return B.dot_16bit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=acc), a, b)
+
+
 def _xw(x2, wc, transpose_w, acc):
-    dims = (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ()))
-    return B.dot_16bit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=acc), x2, wc)
+    return _dot(x2, wc, (((1,), (1,)), ((), ())) if transpose_w else (((1,), (0,)), ((), ())), acc)
 
 
 def _chunk(cfg, x2, w, j, c, V, acc):
@@ -150,9 +154,6 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
     b, cc = (1.0 - cfg.eps) * g, (cfg.eps / cfg.n_classes) * g
     contract = (((0,), (0,)), ((), ()))
 
-    def mm(a, b, dims):
-        return B.dot_16bit(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=acc), a, b)
-
     def body(carry, j):
         dx, dw = carry
         start, cols, fresh, wc, z, t = _chunk(cfg, x2, w, j, c, V, acc)
@@ -165,13 +166,13 @@ def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
         # The clamped last chunk's repeated columns contribute nothing (and add 0 to dw).
         dz = jnp.where(fresh[None, :], dz, 0.0).astype(x2.dtype)
         if cfg.transpose_w:
-            dx = dx + mm(dz, wc, (((1,), (0,)), ((), ())))
-            dwc = mm(dz, x2, contract)  # [c, D]
+            dx = dx + _dot(dz, wc, (((1,), (0,)), ((), ())), acc)
+            dwc = _dot(dz, x2, contract, acc)  # [c, D]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=0)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=0)
         else:
-            dx = dx + mm(dz, wc, (((1,), (1,)), ((), ())))
-            dwc = mm(x2, dz, contract)  # [D, c]
+            dx = dx + _dot(dz, wc, (((1,), (1,)), ((), ())), acc)
+            dwc = _dot(x2, dz, contract, acc)  # [D, c]
             old = jax.lax.dynamic_slice_in_dim(dw, start, c, axis=1)
             dw = jax.lax.dynamic_update_slice_in_dim(dw, (old.astype(acc) + dwc).astype(dw.dtype), start, axis=1)
         return (dx, dw), None
