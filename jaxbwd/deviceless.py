@@ -652,7 +652,9 @@ def mosaic_rows(dump_dir: str) -> list[dict[str, Any]]:
     """Per Mosaic GPU kernel found in ``dump_dir`` (``MOSAIC_GPU_DUMP_TO``): its name, threads
     per block (PTX ``.maxntid``), registers, stack, spill bytes and static shared memory
     (ptxas), dynamic shared memory (Mosaic's resource plan) and, counted in the PTX,
-    ``wgmma.mma_async`` (-> ``hgmma``) and ``ex2.approx`` instructions. No SASS: there is no
+    ``wgmma.mma_async`` (-> ``hgmma``), ``ex2.approx`` (``ex2_subnormal``: those without
+    ``.ftz``, which ptxas wraps in the subnormal fixup) and ``tanh.approx`` (MUFU.TANH, a
+    softcap's tanh under ``approx_math``) instructions. No SASS: there is no
     cubin to read, so ``sass``/``expf`` are not known and the spill counts are ptxas's bytes."""
     files = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
     kernel_of = lambda f: re.sub(r"_\d+\.[a-z_.]+$", "", f)  # noqa: E731  "attention_fwd_mosaic_0.ptx"
@@ -673,7 +675,8 @@ def mosaic_rows(dump_dir: str) -> list[dict[str, Any]]:
             text = open(path, errors="replace").read()
             m = re.search(r"\.maxntid (\d+)", text)
             row.update(threads=int(m.group(1)) if m else 0, hgmma=text.count("wgmma.mma_async"),
-                       ex2=text.count("ex2.approx"))
+                       ex2=text.count("ex2.approx"), ex2_subnormal=text.count("ex2.approx.f32"),
+                       tanh_approx=text.count("tanh.approx"))
         elif f.endswith(".resources.txt"):
             m = re.search(r"smem_scratch_bytes=(\d+)", open(path).read())
             row["dynamic_smem"] = int(m.group(1)) if m else 0
@@ -738,7 +741,7 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
             "registers": m["registers"], "stack": m["stack"], "static_smem": m["static_smem"], "local": 0,
             "smem": smem, **occ, "waves": math.nan,
             "sass": "-", "hgmma": m.get("hgmma", 0), "hmma": 0, "utcmma": 0, "ex2": m.get("ex2", 0), "expf": "-",
-            "ex2_subnormal": "-",
+            "ex2_subnormal": m.get("ex2_subnormal", 0), "tanh_approx": m.get("tanh_approx", 0),
             "spill_stores": m["spill_stores"], "spill_loads": m["spill_loads"],
             "wgmma_serialized": m["wgmma_serialized"], "setmaxnreg_ignored": m["setmaxnreg_ignored"],
             "tensor_core": "HGMMA" if m.get("hgmma") else "none",

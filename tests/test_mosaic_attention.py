@@ -307,13 +307,15 @@ def test_compile_instrument_reads_mosaic_dumps(tmp_path):
         "ptxas         .     16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads\n"
         "info    : used 150 registers, used 16 barriers, 16 stack, 1025 bytes smem, 1088 bytes cmem[0], 0 bytes lmem\n")
     (tmp_path / "attention_fwd_mosaic_0.ptx").write_text(
-        ".maxntid 384, 1, 1\nwgmma.mma_async.sync\nwgmma.mma_async.sync\nex2.approx.ftz.f32\n")
+        ".maxntid 384, 1, 1\nwgmma.mma_async.sync\nwgmma.mma_async.sync\nex2.approx.ftz.f32\nex2.approx.f32\n"
+        "tanh.approx.f32\n")
     (tmp_path / "attention_fwd_mosaic_1.resources.txt").write_text("Resources(smem_scratch_bytes=101376, tmem=0)")
 
     (row,) = deviceless.mosaic_rows(str(tmp_path))
     assert row == {"kernel": "attention_fwd_mosaic", "registers": 150, "stack": 16, "spill_stores": 12,
                    "spill_loads": 8, "static_smem": 1025, "local": 0, "wgmma_serialized": False,
-                   "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 1, "dynamic_smem": 101376}
+                   "setmaxnreg_ignored": True, "threads": 384, "hgmma": 2, "ex2": 2, "ex2_subnormal": 1,
+                   "tanh_approx": 1, "dynamic_smem": 101376}
 
 
 @needs_mosaic
@@ -365,6 +367,10 @@ def test_mosaic_kernels_compile_for_h200(monkeypatch):
             assert r["tensor_core"] == "HGMMA" and r["smem"] <= deviceless.GPUS["h200"].smem_per_block_optin, r
             budget = MOSAIC_H256_SPILLS.get(r["kernel"], 0) if wide else 0
             assert r["stack"] <= budget, r
+            # The precision the README states (Mosaic GPU): every exponential is the .ftz
+            # MUFU.EX2, and the head dim 256 case's softcap takes tanh from MUFU.TANH.
+            assert r["ex2"] > 0 and r["ex2_subnormal"] == 0, r
+            assert (r["tanh_approx"] > 0) == wide, r  # only the head dim 256 case has a softcap
 
 
 # At head dim 256 one consumer warpgroup holds a [64, 256] f32 accumulator (128 registers of
