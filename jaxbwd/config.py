@@ -1,6 +1,7 @@
 """Implementation choice and Pallas interpret mode.
 
-Every op takes ``implementation=None | "pallas" | "xla"``. ``None`` defers to the
+Every op takes ``implementation=None | "pallas" | "xla"`` (and ``"pallas:triton"`` or
+``"pallas:mosaic"``, below). ``None`` defers to the
 global default, which is ``JAXBWD_IMPLEMENTATION`` from the environment, or, when
 unset, "pallas" on GPU and "xla" elsewhere. Interpret mode (Pallas kernels run on
 CPU through ``pallas_call(..., interpret=True)``) is off unless ``JAXBWD_INTERPRET=1``
@@ -116,24 +117,25 @@ _default: Optional[_Settings] = None
 _override: contextvars.ContextVar[Optional[_Settings]] = contextvars.ContextVar("jaxbwd_override", default=None)
 
 
-def _current() -> _Settings:
+def _process_default() -> _Settings:
     global _default
-    s = _override.get()
-    if s is not None:
-        return s
     if _default is None:
         _default = _Settings(_env_implementation(), _env_flag("JAXBWD_INTERPRET", False), _env_pallas_backend(),
                              _env_flag("JAXBWD_CUSTOM_PARTITIONING", True))
     return _default
 
 
+def _current() -> _Settings:
+    s = _override.get()
+    return s if s is not None else _process_default()
+
+
 def _check_implementation(implementation, op=None, per_call=False):
     ok = IMPLEMENTATIONS + (tuple(_PER_CALL) if per_call else ())
     if implementation is not None and implementation not in ok:
-        extra = " (per call also 'pallas:triton' or 'pallas:mosaic')" if per_call else ""
+        names = "'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic'" if per_call else "'auto', 'pallas' or 'xla'"
         raise ValueError(
-            f"jaxbwd{'.' + op if op else ''}: implementation must be None, 'pallas' or 'xla', "
-            f"got {implementation!r}{extra}"
+            f"jaxbwd{'.' + op if op else ''}: implementation must be None, {names}, got {implementation!r}"
         )
 
 
@@ -157,7 +159,8 @@ def check_implementation(implementation: Optional[str], where: str, *, per_call:
 
 def _check_backend(pallas_backend, where="config"):
     if pallas_backend not in PALLAS_BACKENDS:
-        raise ValueError(f"jaxbwd.{where}: pallas_backend must be one of {PALLAS_BACKENDS}, got {pallas_backend!r}")
+        raise ValueError(f"jaxbwd.{where}: pallas_backend must be None, 'auto', 'triton' or 'mosaic', "
+                         f"got {pallas_backend!r}")
 
 
 def _check_flag(value, name, where):
@@ -166,9 +169,8 @@ def _check_flag(value, name, where):
         raise TypeError(f"jaxbwd.{where}: {name} must be True or False, got {value!r}")
 
 
-def _merged(implementation, interpret, pallas_backend=_UNSET, custom_partitioning=_UNSET,
+def _merged(cur: _Settings, implementation, interpret, pallas_backend=_UNSET, custom_partitioning=_UNSET,
             where="config") -> _Settings:
-    cur = _current()
     _check_flag(interpret, "interpret", where)
     _check_flag(custom_partitioning, "custom_partitioning", where)
     if implementation is not _UNSET:
@@ -176,6 +178,8 @@ def _merged(implementation, interpret, pallas_backend=_UNSET, custom_partitionin
             implementation = None
         _check_implementation(implementation, where)
     if pallas_backend is not _UNSET:
+        if pallas_backend is None or pallas_backend == "auto":  # as JAXBWD_PALLAS_BACKEND=auto
+            pallas_backend = "triton"
         _check_backend(pallas_backend, where)
     return _Settings(
         cur.implementation if implementation is _UNSET else implementation,
@@ -187,14 +191,17 @@ def _merged(implementation, interpret, pallas_backend=_UNSET, custom_partitionin
 
 def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend: Any = _UNSET,
                 custom_partitioning: Any = _UNSET) -> None:
-    """Sets the process-wide defaults (seen by every thread); omitted arguments keep their value.
+    """Sets the process-wide defaults (seen by every thread); omitted arguments keep their
+    process-wide value. Inside a :func:`use` block the block's settings still apply until it
+    exits; the new defaults hold outside it.
 
     Args:
       implementation: ``"pallas"``, ``"xla"``, or ``None``/``"auto"`` for Pallas on GPU and
         XLA elsewhere.
       interpret: run Pallas kernels in interpret mode (CPU).
-      pallas_backend: ``"triton"`` (default) or ``"mosaic"``: Mosaic GPU kernels for the ops
-        and GPU generations in ``MOSAIC_KERNELS``, Triton for the rest (module docstring).
+      pallas_backend: ``"triton"`` (default; also ``None``/``"auto"``) or ``"mosaic"``: Mosaic
+        GPU kernels for the ops and GPU generations in ``MOSAIC_KERNELS``, Triton for the rest
+        (module docstring).
       custom_partitioning: under a mesh with Auto axes, hand each op to XLA's partitioner
         through ``jax.experimental.custom_partitioning`` (default True; environment
         ``JAXBWD_CUSTOM_PARTITIONING``). False runs the ops as whole-array code that XLA
@@ -207,7 +214,8 @@ def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas
       TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
     """
     global _default
-    _default = _merged(implementation, interpret, pallas_backend, custom_partitioning, "config.set_default")
+    _default = _merged(_process_default(), implementation, interpret, pallas_backend, custom_partitioning,
+                       "config.set_default")
 
 
 @contextlib.contextmanager
@@ -222,10 +230,11 @@ def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend
 
     Raises:
       ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``;
-        ``pallas_backend`` is not ``"triton"`` or ``"mosaic"``.
+        ``pallas_backend`` is not ``None``, ``"auto"``, ``"triton"`` or ``"mosaic"``.
       TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
     """
-    token = _override.set(_merged(implementation, interpret, pallas_backend, custom_partitioning, "config.use"))
+    token = _override.set(_merged(_current(), implementation, interpret, pallas_backend, custom_partitioning,
+                                  "config.use"))
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ def test_config_context_manager_restores_and_validates():
         with config.use(implementation="xla"):
             assert config.default_implementation() == "xla" and not config.interpret()
     assert (config.default_implementation(), config.interpret()) == before
-    with pytest.raises(ValueError, match=r"implementation must be None, 'pallas' or 'xla', got 'triton'"):
+    with pytest.raises(ValueError, match=r"implementation must be None, 'auto', 'pallas' or 'xla', got 'triton'"):
         with config.use(implementation="triton"):
             pass
     # a string would read as True ("no" turning interpret mode on): only booleans
@@ -37,6 +37,22 @@ def test_config_context_manager_restores_and_validates():
     with config.use(custom_partitioning=False, interpret=np.bool_(True)):
         assert not config.custom_partitioning() and config.interpret()
     assert config.custom_partitioning()
+
+
+def test_set_default_inside_use_changes_only_what_it_names():
+    # The block's own settings must not become the process-wide default: set_default merges
+    # into the defaults, and the block keeps its settings until it exits.
+    before = (config.default_implementation(), config.interpret(), config.pallas_backend())
+    try:
+        with config.use(implementation="pallas", interpret=True):
+            config.set_default(pallas_backend="mosaic")
+            assert (config.default_implementation(), config.interpret(), config.pallas_backend()) == (
+                "pallas", True, before[2])
+        assert (config.default_implementation(), config.interpret(), config.pallas_backend()) == (
+            before[0], before[1], "mosaic")
+    finally:
+        config.set_default(pallas_backend=before[2])
+    assert (config.default_implementation(), config.interpret(), config.pallas_backend()) == before
 
 
 def test_default_is_xla_on_cpu():

@@ -227,12 +227,17 @@ def test_cpu_pool_threads_counts_the_pool_jax_built(env, want):
 
 
 def test_bad_backend_names():
-    with pytest.raises(ValueError, match=r"pallas_backend must be one of \('triton', 'mosaic'\), got 'cuda'"):
+    with pytest.raises(ValueError, match=r"pallas_backend must be None, 'auto', 'triton' or 'mosaic', got 'cuda'"):
         with config.use(pallas_backend="cuda"):
             pass
-    with pytest.raises(ValueError, match=r"implementation must be None, 'pallas' or 'xla', got 'mosaic' \(per call also "
-                                         r"'pallas:triton' or 'pallas:mosaic'\)"):
+    with pytest.raises(ValueError, match=r"implementation must be None, 'pallas', 'xla', 'pallas:triton' or "
+                                         r"'pallas:mosaic', got 'mosaic'$"):
         dot_product_attention(*TA._inputs(1, 4, 4, 1, 1, 16)[:3], implementation="mosaic")
+    # None and "auto" name the default backend, as JAXBWD_PALLAS_BACKEND=auto does
+    with config.use(pallas_backend="mosaic"):
+        for default in (None, "auto"):
+            with config.use(pallas_backend=default):
+                assert config.pallas_backend() == "triton"
 
 
 def test_environment_variable():
