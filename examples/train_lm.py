@@ -271,8 +271,13 @@ def param_specs(params, mesh, cfg: Config):
 
 # -------------------------------------------------------------------------- training
 def make_optimizer(cfg: Config):
+    """AdamW with warmup and cosine decay; weight decay on the matrices only (kernels and the
+    embedding), as in GPT-3 and nanoGPT: decaying the RMSNorm scales would pull each layer's
+    output gain toward zero for no regularising effect."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=matrices))
 
 
 def generate(model, params, prompt: np.ndarray, n: int, seq_len: int, key, temperature: float = 0.8) -> bytes:

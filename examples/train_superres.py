@@ -183,7 +183,9 @@ def main(argv=None) -> int:
     model = SuperRes(implementation=impl)
     lr0 = downsample(random_crops(train, args.batch, args.crop, rng))
     params = model.init(jax.random.PRNGKey(0), jnp.asarray(lr0))["params"]
-    opt = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.05), weight_decay=1e-4)
+    # Weight decay on the kernels only, not on biases and GroupNorm scales (as train_lm.py).
+    matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    opt = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.05), weight_decay=1e-4, mask=matrices)
     opt_state = opt.init(params)
 
     def loss_fn(params, lr, hr):
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
     mean_b = float(np.mean([r["psnr_bicubic"] for r in results]))
     mean_m = float(np.mean([r["psnr_model"] for r in results]))
     (out / "metrics.json").write_text(json.dumps({
-        "steps": args.steps, "train_loss": history, "held_out": results, "psnr_bicubic": mean_b, "psnr_model": mean_m,
+        "steps": args.steps, "batch": args.batch, "crop": args.crop, "lr": args.lr, "train_loss": history, "held_out": results, "psnr_bicubic": mean_b, "psnr_model": mean_m,
         "train_seconds": train_s, "jax": jax.__version__, "backend": jax.default_backend(),
         "implementation": impl or jaxbwd.config.default_implementation(),
         **({"r1_gamma": args.r1, "adv_weight": args.adv_weight, "d_loss": d_history, "r1_penalty": r1_history}

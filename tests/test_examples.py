@@ -89,6 +89,26 @@ def test_squared_relu_script_exits_1_when_a_row_fails(tmp_path):
     assert bad.stdout.count("FAIL") == 2 and "scaled err 5.00e-01 FAIL" in bad.stdout
 
 
+def test_train_lm_weight_decay_skips_the_norm_scales():
+    # With zero gradients, AdamW's update is the weight decay alone: the model's matrices
+    # shrink, its RMSNorm scales (the 1-D parameters) stay as they are.
+    import jax
+    import jax.numpy as jnp
+
+    lm = _example_module("train_lm")
+    cfg = lm.PRESETS["tiny"]
+    params = lm.LM(cfg, lm.plain_ops()).init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+    opt = lm.make_optimizer(cfg)
+    state = opt.init(params)
+    for _ in range(cfg.warmup + 1):  # past the warmup, where the learning rate is not 0
+        updates, state = opt.update(jax.tree.map(jnp.zeros_like, params), state, params)
+    moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
+    flat = {jax.tree_util.keystr(k): (v.ndim, moved_v) for (k, v), moved_v in
+            zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(moved))}
+    assert any(n == 1 for n, _ in flat.values()) and any(n >= 2 for n, _ in flat.values())
+    assert all(m == (n >= 2) for n, m in flat.values()), flat
+
+
 def test_train_lm_check_grads_match_plain_model(tmp_path):
     out = subprocess.run([sys.executable, "examples/train_lm.py", "--preset", "tiny", "--check", "--max-bytes", "200000"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -152,6 +172,7 @@ def test_train_superres_tiny_loss_goes_down(tmp_path):
     assert last < first, (first, last)
     assert (tmp_path / "sr" / "superres.png").stat().st_size > 10000
     assert "PSNR" in stdout and m["psnr_model"] > 15
+    assert (m["steps"], m["batch"], m["crop"], m["lr"]) == (40, 4, 24, 3e-3)  # the run's settings
 
 
 def test_train_superres_r1_penalty_pallas_interpret(tmp_path):
