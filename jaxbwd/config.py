@@ -334,18 +334,27 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
                     f"kernels use its Pallas API), got jax {jax.__version__} (use 'pallas' for the "
                     "Triton kernels)"
                 )
-            have = {f"sm_{k}": v for k, v in MOSAIC_KERNELS.get(op, {}).items()}
+            table = MOSAIC_KERNELS.get(op, {})
             if dtype is None:  # called without operands: an op whose work is XLA's by design
                 raise ValueError(
                     f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel: this op has "
                     f"no Pallas kernels (its work is XLA's by design); Mosaic kernels exist for "
                     f"{sorted(MOSAIC_KERNELS)}"
                 )
+            if not table:
+                raise ValueError(
+                    f"jaxbwd.{op}: implementation='pallas:mosaic': {op} has no Mosaic GPU kernel (Mosaic "
+                    f"kernels exist for {sorted(MOSAIC_KERNELS)}); use 'pallas' for its Triton kernels"
+                )
+            covers = "; ".join(
+                f"sm_{k}: {'/'.join(v['dtypes'])} inputs" + (f", last dim <= {v['max_last_dim']}"
+                                                              if "max_last_dim" in v else "")
+                for k, v in sorted(table.items()))
+            too_wide = any(last_dim is not None and last_dim > v.get("max_last_dim", last_dim) for v in table.values())
             raise ValueError(
                 f"jaxbwd.{op}: implementation='pallas:mosaic' has no Mosaic GPU kernel for "
-                f"{jax.numpy.dtype(dtype).name} inputs with last dim {last_dim} on sm_{sm}; "
-                f"Mosaic kernels: {have or 'none'} "
-                f"(use 'pallas' for the Triton kernels)"
+                f"{jax.numpy.dtype(dtype).name} inputs with last dim {last_dim} on sm_{sm}; its Mosaic "
+                f"kernels cover {covers}" + ("" if too_wide else " (use 'pallas' for the Triton kernels)")
             )
         return "triton"
     return backend

@@ -184,8 +184,24 @@ def test_without_jax_0_12_settings_run_triton_and_per_call_mosaic_raises(monkeyp
 @needs_mosaic
 def test_per_call_mosaic_without_a_kernel_raises():
     with pytest.raises(ValueError, match=r"dot_product_attention: implementation='pallas:mosaic' has no Mosaic "
-                                         r"GPU kernel for float32 inputs with last dim 16 on sm_90"):
+                                         r"GPU kernel for float32 inputs with last dim 16 on sm_90; its Mosaic kernels "
+                                         r"cover sm_90: bfloat16/float16 inputs, last dim <= 256 \(use 'pallas' for "
+                                         r"the Triton kernels\)"):
         _kernels_for("pallas:mosaic", "float32")
+    # Too wide for the Mosaic kernels: no advice to use Triton's, which refuse it too.
+    with pytest.raises(ValueError, match=r"for bfloat16 inputs with last dim 320 on sm_90; its Mosaic kernels "
+                                         r"cover sm_90: bfloat16/float16 inputs, last dim <= 256$"):
+        config.resolve_pallas_backend("pallas:mosaic", "dot_product_attention", jnp.bfloat16, 90, 320)
+
+
+@needs_mosaic
+def test_per_call_mosaic_for_an_op_without_a_mosaic_kernel_says_so():
+    import jaxbwd
+
+    with pytest.raises(ValueError, match=r"jaxbwd.relu: implementation='pallas:mosaic': relu has no Mosaic GPU "
+                                         r"kernel \(Mosaic kernels exist for \['dot_product_attention'\]\); use "
+                                         r"'pallas' for its Triton kernels$"):
+        jaxbwd.relu(jnp.ones((4, 8)), implementation="pallas:mosaic")
 
 
 @needs_mosaic
