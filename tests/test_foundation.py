@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,46 @@ def test_environment_variables():
     env = dict(os.environ, JAXBWD_TUNING="/no/such/tuning.json")
     bad = subprocess.run([sys.executable, "-c", "import jaxbwd"], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "jaxbwd: JAXBWD_TUNING names a file that cannot be read" in bad.stderr
+
+
+def test_tuning_overrides_refuse_malformed_entries(tmp_path):
+    key = "attention_fwd/h64/16bit"
+    cases = [  # (overrides, error, message)
+        ([1, 2], TypeError, r"the overrides must be a mapping \(a JSON object\), got list"),
+        ({"sm_90": [1]}, TypeError, r"sm_90's entries must be a mapping"),
+        ({"sm_90": {key: 5}}, TypeError, rf"sm_90 {key} must be a mapping .* got int: 5"),
+        ({"sm_90": {key: {"block_m": None}}}, ValueError, r"block_m must be a power of two, got None"),
+        ({"sm_90": {key: {"block_m": "abc"}}}, ValueError, r"block_m must be a power of two, got 'abc'"),
+        ({"sm_90": {key: {"block_m": 1.7}}}, ValueError, r"block_m must be a power of two, got 1.7"),
+        ({"sm_90": {key: {"block_m": True}}}, ValueError, r"block_m must be a power of two, got True"),
+        ({"sm_90": {key: {"block_m": -64}}}, ValueError, r"block_m must be a power of two, got -64"),
+        ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be a power of two, got 48"),
+        ({"sm_90": {key: {"num_stages": 0}}}, ValueError, r"num_stages must be an int >= 1, got 0"),
+        ({"sm_90": {"atention_fwd/h64/16bit": {"block_m": 64}}}, ValueError,
+         r"sm_90: no kernel 'atention_fwd/h64/16bit' in the table \(kernels: \[.*'attention_fwd'"),
+        ({"sm_70": {key: {"block_m": 64}}}, ValueError, r"architecture must be one of"),
+    ]
+    for overrides, error, message in cases:
+        with pytest.raises(error, match=r"^jaxbwd tuning: (sm_90 [a-z_/0-9]+: )?" + message):
+            with _tuning.use(overrides):
+                pass
+    assert _tuning.arch() == "sm_90"  # without a GPU, the H200 the kernels are built for
+    before = _tuning.get(key)
+    with _tuning.use({"sm_90": {key: {"block_m": 32, "num_stages": 3}}}):  # a good one still applies
+        assert (_tuning.get(key).block_m, _tuning.get(key).num_stages) == (32, 3)
+    assert _tuning.get(key) == before
+    # From a file: the file is named, and JSON that does not parse is a ValueError too.
+    bad = tmp_path / "tuning.json"
+    bad.write_text("{bad json")
+    with pytest.raises(ValueError, match=rf"^jaxbwd tuning file {re.escape(str(bad))}: not valid JSON"):
+        _tuning.load(str(bad))
+    bad.write_text('{"sm_90": {"attention_fwd": {"block_m": 0}}}')
+    with pytest.raises(ValueError, match=rf"^jaxbwd tuning file {re.escape(str(bad))}: sm_90 attention_fwd: "
+                                         r"block_m must be a power of two, got 0"):
+        _tuning.load(str(bad))
+    env = dict(os.environ, JAXBWD_TUNING=str(bad))
+    out = subprocess.run([sys.executable, "-c", "import jaxbwd"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "ValueError: jaxbwd: JAXBWD_TUNING: jaxbwd tuning file" in out.stderr
 
 
 def test_pallas_on_cpu_without_interpret_fails_clearly():

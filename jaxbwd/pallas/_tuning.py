@@ -271,32 +271,59 @@ def get(key: str) -> Config:
     return cfg
 
 
-def _check_overrides(data: Mapping) -> dict[str, dict[str, dict]]:
+def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, dict[str, dict]]:
+    """``{arch: {key: {field: value}}}`` checked: known architectures, keys whose kernel (the
+    part before the first "/") has an entry for that architecture (a misspelt one would be
+    ignored), known fields, and positive ints (powers of two for block sizes and warps, as
+    Triton's tiles and launches need). Raises TypeError/ValueError naming ``where``."""
+    def mapping(value, what):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where}: {what} must be a mapping (a JSON object), got {type(value).__name__}: "
+                            f"{value!r}")
+        return value
+
     fields = {f.name for f in dataclasses.fields(Config)}
     out: dict[str, dict[str, dict]] = {}
-    for a, entries in data.items():
+    for a, entries in mapping(data, "the overrides").items():
         if a not in TABLE:
-            raise ValueError(f"jaxbwd tuning: architecture must be one of {sorted(TABLE)}, got {a!r}")
-        for key, vals in entries.items():
-            bad = set(vals) - fields
+            raise ValueError(f"{where}: architecture must be one of {sorted(TABLE)}, got {a!r}")
+        kernels = {k.split("/")[0] for k in TABLE[a]}
+        for key, vals in mapping(entries, f"{a}'s entries").items():
+            if not isinstance(key, str) or key.split("/")[0] not in kernels:
+                raise ValueError(f"{where}: {a}: no kernel {key!r} in the table (kernels: {sorted(kernels)})")
+            bad = set(mapping(vals, f"{a} {key}")) - fields
             if bad:
-                raise ValueError(f"jaxbwd tuning: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
-            out.setdefault(a, {})[key] = {k: int(v) for k, v in vals.items()}
+                raise ValueError(f"{where}: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
+            for name, v in vals.items():
+                pow2 = name.startswith("block_") or name == "num_warps"
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+                    want = "a power of two" if pow2 else "an int >= 1"
+                    raise ValueError(f"{where}: {a} {key}: {name} must be {want}, got {v!r}")
+            out.setdefault(a, {})[key] = dict(vals)
     return out
 
 
 def load(path: str) -> None:
-    """Reads measured configurations (JSON, see the module docstring) over the table."""
+    """Reads measured configurations (JSON, see the module docstring) over the table.
+
+    Raises: OSError (the file cannot be read), ValueError/TypeError (not JSON, or not the
+    layout :func:`use` takes), each naming the file."""
     with open(path) as f:
-        for a, entries in _check_overrides(json.load(f)).items():
-            _OVERRIDES.setdefault(a, {}).update(entries)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"jaxbwd tuning file {path}: not valid JSON ({e})") from None
+    for a, entries in _check_overrides(data, f"jaxbwd tuning file {path}").items():
+        _OVERRIDES.setdefault(a, {}).update(entries)
 
 
 @contextlib.contextmanager
 def use(overrides: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Iterator[None]:
-    """Applies ``{arch: {key: {field: value}}}`` while tracing inside the block (config sweeps)."""
+    """Applies ``{arch: {key: {field: value}}}`` while tracing inside the block (config
+    sweeps). Raises ValueError/TypeError as :func:`load` does for a malformed mapping."""
+    checked = _check_overrides(overrides)
     saved = {a: dict(e) for a, e in _OVERRIDES.items()}
-    for a, entries in _check_overrides(overrides).items():
+    for a, entries in checked.items():
         _OVERRIDES.setdefault(a, {}).update(entries)
     try:
         yield
@@ -311,6 +338,8 @@ if os.environ.get("JAXBWD_TUNING"):
     except OSError as e:  # at import: say which setting named the file
         raise OSError(e.errno, f"jaxbwd: JAXBWD_TUNING names a file that cannot be read ({e.strerror})",
                       os.environ["JAXBWD_TUNING"]) from e
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"jaxbwd: JAXBWD_TUNING: {e}") from None
 
 
 # ------------------------------------------------------------------------ heuristics
