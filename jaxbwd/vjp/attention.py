@@ -2,7 +2,7 @@
 
 Pallas path: the flash-attention forward kernel emits out and lse; the backward runs the
 FlashAttention-2 dk/dv and dq kernels (``jaxbwd/pallas/attention.py``), or, with the Mosaic
-backend (``config.use(pallas_backend="mosaic")``, Hopper, 16-bit inputs, H <= 128), the
+backend (``config.use(pallas_backend="mosaic")``, Hopper, 16-bit inputs, H <= 256), the
 warp-specialized Mosaic GPU kernels of ``jaxbwd/pallas/mosaic/attention.py`` with the same
 residuals (the forward-mode tangent stays on the Triton kernel). XLA path: the same
 algorithm blockwise over keys with ``lax.scan`` (online softmax forward, recompute-from-lse
@@ -467,7 +467,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         and masking (Gemma 2).
       A row that only these extras leave without a key gives 0 and zero gradients.
       implementation: ``None`` (Pallas on GPU, XLA elsewhere; XLA also for head dims past
-        256 and float64), ``"pallas"`` or ``"xla"``.
+        256 and float64), ``"pallas"``, ``"xla"``, or ``"pallas:triton"``/``"pallas:mosaic"``
+        to name the Pallas backend for this call (``jaxbwd.config``).
 
     Paths: without ``bias``/``mask`` the flash kernels (or the blockwise XLA scan) run and
     handle is_causal, local windows (``(l, r)`` with ``is_causal``, ``r == 0`` or ``l == r``:
