@@ -186,7 +186,7 @@ def _norm_bad(fn_args):
         BadInput("integer x", lambda: (fn_args(jnp.ones((4, 8), jnp.int32), jnp.ones((8,), f32)), {}), TypeError, r"x must have a floating dtype.*got int32"),
         BadInput("eps <= 0", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
         BadInput("string eps", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": "1e-6"}), TypeError, r"eps must be a real Python number, got '1e-6'"),
-        BadInput("implementation", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"implementation": "cuda"}), ValueError, r"implementation must be None, 'pallas' or 'xla', got 'cuda'"),
+        BadInput("implementation", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"implementation": "cuda"}), ValueError, r"implementation must be None, 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic', got 'cuda'"),
     )
 
 
@@ -862,7 +862,7 @@ _SPECS += [
             BadInput("empty H", lambda: ((jnp.ones((1, 0, 4, 3)), 2), {}), ValueError, r"x must have a non-empty height H, got shape \(1, 0, 4, 3\)"),
             BadInput("no output_size", lambda: ((jnp.ones((1, 4, 4, 3)), None), {}), ValueError, r"output_size must be an int >= 1 or a pair of them, got None"),
         ),
-        # the two f32 averaging matrices (constants autodiff keeps)
+        # the two f32 averaging matrices (constants the op's einsum keeps under jax.vjp)
         residual_budget=lambda x, size, **_: 4 * (x.shape[1] + x.shape[2]) * 8,
     ),
 ]
