@@ -67,6 +67,27 @@ def test_policy_saves_the_products_jax_saves_in_plain_jnp(name):
     assert jax_own == (_grad_flops(_jaxbwd_layer("xla"), CP.nothing_saveable) if FORWARD_MODE else ours)
 
 
+def _stacked(loss, x, p):
+    """The per-layer values the forward scan of ``jax.grad(loss)`` stacks for the backward."""
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, p)
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan" and not e.params["reverse"]]
+    return sorted(v.aval.str_short() for v in scan.outvars if v.aval.ndim and v.aval.shape[0] == 2)
+
+
+@pytest.mark.skipif(not FORWARD_MODE, reason="the ops are single primitives on jax >= 0.12 only")
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("name", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_policy_in_a_scan_stacks_no_copy_of_the_weights(impl, name):
+    # A scan over layers already holds every layer's weights: the policy saves what JAX's
+    # saves for the jnp model (the products), not a second, stacked copy of the weights
+    # that the matmuls' fwd rules pass through as residuals.
+    p, x = _params()
+    with jaxbwd.config.use(interpret=True):
+        ours = _stacked(_loss(_jaxbwd_layer(impl), getattr(P, name)), x, p)
+    assert ours == _stacked(_loss(_jnp_layer, getattr(CP, name)), x, p)
+    assert not any(f"[2,{D},{H}]" in a or f"[2,{H},{D}]" in a for a in ours), ours
+
+
 def test_offload_policy_offloads_the_ops_products():
     f = jax.checkpoint(_jaxbwd_layer("xla"), policy=P.offload_dot_with_no_batch_dims("device", "pinned_host"))
     p, x = _params()

@@ -321,6 +321,38 @@ def test_residuals_within_budget(spec, impl):
     assert saved <= budget, f"{spec.name} saves {saved} bytes, budget {budget}"
 
 
+def _stacked_residual_bytes(loss, diff, length):
+    """Bytes that ``jax.grad(loss)`` stacks per iteration in its forward ``lax.scan`` (of
+    ``length``): what the backward scan reads back."""
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(diff)))))(*diff)
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan" and not e.params["reverse"]
+             and e.params["length"] == length]
+    assert len(scans) == 1, [e.primitive.name for e in jaxpr.eqns]
+    return sum(v.aval.size * v.aval.dtype.itemsize for v in scans[0].outvars
+               if v.aval.ndim and v.aval.shape[0] == length)
+
+
+@pytest.mark.parametrize("spec", [pytest.param(s, id=s.name) for s in SPECS if s.has_kernels])
+def test_scan_stacks_no_more_residuals_on_the_kernel_path(spec):
+    # An op applied in a scan body to a scanned first input and loop-invariant others (a
+    # weight, shared keys): the kernel path stacks what the XLA path stacks per iteration,
+    # not a copy of each input its fwd rule saves.
+    args, kwargs = _setup(spec, spec.examples[0], "float32")
+    diff = tuple(args[i] for i in spec.diff_argnums)
+    diff = (jnp.stack([diff[0]] * 3),) + diff[1:]
+    stacked = {}
+    for impl in IMPLS:
+        f = _closure(spec.fn, spec, args, kwargs, impl)
+
+        def loss(xs, *rest, f=f):
+            body = lambda c, x: (c + jnp.sum(f(x, *rest).astype(jnp.float32)), None)  # noqa: E731
+            return jax.lax.scan(body, jnp.float32(0), xs)[0]
+
+        with config.use(interpret=True):
+            stacked[impl] = _stacked_residual_bytes(loss, diff, 3)
+    assert stacked["pallas"] <= stacked["xla"], stacked
+
+
 # ------------------------------------------------------------------ forward mode and second order
 # Every op runs under jax.jvp / linearize / jacfwd and second order (jvp of grad, grad of
 # grad), on both implementations: the kernel path's backward is differentiated through the

@@ -75,6 +75,7 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from jaxbwd import sharding as S
@@ -164,17 +165,25 @@ def _ranks_allowed(rule: Callable) -> Callable:
     return traced
 
 
-def _differentiable(rule: Callable, nondiff: tuple) -> Callable:
+def _differentiable(rule: Callable, nondiff: tuple, *, forwards_inputs: bool = False) -> Callable:
     """``rule(*nondiff, ...)`` whose own derivative, on the Pallas path, is the XLA rule's.
 
     A ``pallas_call`` has no JVP rule, so a kernel inside a fwd/bwd rule that a second
     derivative reaches would fail; the kernels compute the same function as the XLA
     formula, so the formula's JVP is the kernel's.
+
+    ``forwards_inputs`` (the fwd rule, whose residuals are often its own inputs): outputs
+    that are inputs passed through are returned as those inputs, outside the
+    ``custom_jvp``. Through it they would be new values, which ``lax.scan``'s partial
+    evaluation cannot tell from computed ones: it would stack a copy of a weight, or of a
+    scanned input, per iteration as residuals, where the XLA path forwards them.
     """
     twins = [_xla_twin(v) for v in nondiff]
     if all(t is None for t in twins):
         return functools.partial(rule, *nondiff)
     xla_nondiff = tuple(v if t is None else t for v, t in zip(nondiff, twins))
+    if forwards_inputs:
+        return functools.partial(_forwarding_inputs, rule, nondiff, xla_nondiff)
 
     @jax.custom_jvp
     def kernel(*args):
@@ -185,6 +194,35 @@ def _differentiable(rule: Callable, nondiff: tuple) -> Callable:
         return jax.jvp(functools.partial(rule, *xla_nondiff), primals, tangents)
 
     return kernel
+
+
+def _forwarding_inputs(rule: Callable, nondiff: tuple, xla_nondiff: tuple, *args):
+    """``rule(*nondiff, *args)`` as :func:`_differentiable`'s ``custom_jvp``, except that
+    outputs which are inputs passed through are those inputs. The rule is traced once; the
+    ``custom_jvp`` evaluates that trace's computed outputs (its JVP, as in
+    :func:`_differentiable`, is the XLA rule's)."""
+    flat_args, in_tree = jax.tree.flatten(args)
+    closed, out_shape = jax.make_jaxpr(lambda *a: rule(*nondiff, *a), return_shape=True)(*args)
+    position = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
+    source = [position.get(id(v)) for v in closed.jaxpr.outvars]
+    computed = [j for j, i in enumerate(source) if i is None]
+    run = jax.extend.core.jaxpr_as_fun(closed)
+
+    @jax.custom_jvp
+    def kernel(*flat):
+        outs = run(*flat)
+        return [outs[j] for j in computed]
+
+    @kernel.defjvp
+    def _(primals, tangents):
+        xla = lambda *a: jax.tree.leaves(rule(*xla_nondiff, *a))  # noqa: E731
+        unflat = lambda flat: jax.tree.unflatten(in_tree, flat)  # noqa: E731
+        outs, outs_dot = jax.jvp(xla, tuple(unflat(primals)), tuple(unflat(tangents)))
+        return [outs[j] for j in computed], [outs_dot[j] for j in computed]
+
+    it = iter(kernel(*flat_args) if computed else ())
+    return jax.tree.unflatten(jax.tree.structure(out_shape),
+                              [next(it) if i is None else flat_args[i] for i in source])
 
 
 # ----------------------------------------------------------------------- the rules object
@@ -372,18 +410,46 @@ if _HAVE_HIJAX:
         then runs the op's bwd rule (the kernels, on the residuals) rather than autodiff of
         the fwd rule's formula (for attention, T x S arrays). Where the residuals get a
         cotangent too (the JVP's tangent output differentiated: second order), the VJP is the
-        fwd rule's own, through its formula, on the saved inputs."""
+        fwd rule's own, through its formula, on the saved inputs.
+
+        The primitive returns only the leaves of ``(out, res)`` that the rule computes;
+        :func:`_fwd` puts the op's inputs that it passes through as residuals (x, a weight)
+        back around it. As outputs of the equation they would be new values to
+        ``jax.checkpoint`` and ``lax.scan``: a policy saving the op's residuals (the dot
+        policies in ``jaxbwd.checkpoint_policies``) would save, and a scan over layers stack,
+        a copy of every layer's weight.
+        """
+
+        def __init__(self, rules: _Rules, in_avals, computed_avals, source: tuple, full_tree):
+            super().__init__(rules, in_avals, list(computed_avals))
+            self.source, self.full_tree = source, full_tree  # source[j]: input leaf of output leaf j, or None
+
+        def _computed(self, full) -> list:
+            leaves = jax.tree_util.tree_leaves(full, is_leaf=_is_zero)
+            return [x for x, s in zip(leaves, self.source) if s is None]
+
+        def _full(self, computed, args, fill=None):
+            """``(out, res)`` from the computed leaves and the arguments (``fill(j)`` in place
+            of the passed-through leaf ``j``, when given: zero cotangents)."""
+            flat_args, it = jax.tree_util.tree_leaves(args), iter(computed)
+            return jax.tree_util.tree_unflatten(self.full_tree, [
+                next(it) if s is None else (flat_args[s] if fill is None else fill(s))
+                for s in self.source])
 
         def expand(self, *args):
-            return self.rules.fwd(*args)
+            return self._computed(self.rules.fwd(*args))
 
         def vjp_fwd(self, nzs_in, *args):
-            out, res = self.rules.fwd(*args)
-            return (out, res), (res, args)
+            computed = self._computed(self.rules.fwd(*args))
+            return computed, (computed, args)
 
         def vjp_bwd(self, saved, outgrad, *arg_accums):
-            res, args = saved
-            ct_out, ct_res = outgrad
+            computed, args = saved
+            res = self._full(computed, args)[1]
+            flat_args = jax.tree_util.tree_leaves(args)
+            # A passed-through leaf's cotangent reaches its input outside this equation.
+            ct_out, ct_res = self._full(list(outgrad), args,
+                                        fill=lambda s: _Zero(jax.typeof(flat_args[s]).to_tangent_aval()))
             if _all_zero(ct_res):
                 cts = self.rules.bwd(res, _inst(ct_out))
             else:
@@ -392,23 +458,30 @@ if _HAVE_HIJAX:
             _accum(arg_accums, cts, self.in_avals)
 
         def jvp(self, primals, tangents):
-            return jax.jvp(self.rules.fwd, primals, tuple(_inst_tree(tangents)))
+            full, full_dot = jax.jvp(self.rules.fwd, primals, tuple(_inst_tree(tangents)))
+            return self._computed(full), self._computed(full_dot)
 
         lin, linearized = _hijax.linearize_from_jvp
 
         def batch(self, axis_data, args, dims):
             if all(d is None for d in dims):
-                return self(*args), jax.tree_util.tree_map(lambda _: None, self.out_aval)
+                return self(*args), [None] * len(self.out_aval)
             rules = _batched_rules(self.rules, axis_data, tuple(dims))
             out, (res, res_dims) = _fwd(rules, args)
-            return (out, res), (0, res_dims.dims)
+            # one dim per array leaf of (out, res) (a None in res, an absent argument, has none)
+            full_dims = jax.tree_util.tree_structure((out, res)).flatten_up_to((0, res_dims.dims))
+            return self._computed((out, res)), [d for d, s in zip(full_dims, self.source) if s is None]
 
     def _fwd(rules: _Rules, args):
-        """``rules.fwd(*args)`` bound as a :class:`_Fwd`."""
+        """``rules.fwd(*args)`` bound as a :class:`_Fwd`, with the inputs it passes through as
+        residuals put back around the equation."""
         jaxpr, shapes = jax.make_jaxpr(rules.fwd, return_shape=True)(*args)
-        out_aval = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), jaxpr.out_avals)
+        position = {id(v): i for i, v in enumerate(jaxpr.jaxpr.invars)}
+        source = tuple(position.get(id(v)) for v in jaxpr.jaxpr.outvars)
+        computed_avals = [a for a, s in zip(jaxpr.out_avals, source) if s is None]
         in_avals = [None if a is None else jax.typeof(a) for a in args]
-        return _Fwd(rules, in_avals, out_aval)(*args)
+        prim = _Fwd(rules, in_avals, computed_avals, source, jax.tree_util.tree_structure(shapes))
+        return prim._full(prim(*args) if computed_avals else [], args)
 
     class _Op(_RulesPrim):
         """One op application: grad through its fwd/bwd rules, jvp through ``_Tangent``."""
@@ -525,7 +598,7 @@ class custom_op:
         # fun and fwd take the full argument list; bwd and tangent take nondiff args first.
         full = lambda f: (lambda *a: f(*self._full(a[:n], a[n:])))
         primal = functools.partial(full(self._ranks(self.fun)), *nondiff)
-        fwd = _differentiable(full(self._ranks(self.fwd)), nondiff)
+        fwd = _differentiable(full(self._ranks(self.fwd)), nondiff, forwards_inputs=True)
         bwd = _differentiable(self._ranks(self.bwd), nondiff)
         tangent = None
         if self.tangent is not None:
