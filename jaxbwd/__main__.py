@@ -79,8 +79,13 @@ def _check(args) -> int:
 
     from jaxbwd.check import check
 
+    from jaxbwd import config
+
     print(f"jax {jax.__version__}, backend {jax.default_backend()}"
           + ("" if jax.default_backend() == "gpu" else " (Pallas kernels in interpret mode)"), flush=True)
+    if config.pallas_backend() != "triton":  # the Mosaic kernels take 16-bit inputs only
+        print(f"Pallas backend {config.pallas_backend()} asked for: the checks' float32 examples have no "
+              "Mosaic GPU kernel and run the Triton kernels", flush=True)
     tty = sys.stderr.isatty()
 
     def progress(i, n, name):  # on stderr, so that stdout holds only the report

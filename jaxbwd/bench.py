@@ -16,7 +16,11 @@ What is counted:
 - TFLOP/s for ops that declare ``flops`` in the registry (attention counts its backward
   as 2.5x the forward, the FlashAttention-2 convention).
 - residual bytes = the arrays the forward keeps for the backward (the leaves of the vjp
-  closure, inputs included); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
+  closure, inputs included). The reference (``jaxbwd.reference``) computes in float32 and
+  casts back, as the ops do; with 16-bit inputs its autodiff keeps float32 values where a
+  plain 16-bit formula (``jax.nn.sigmoid`` on bf16) keeps 16-bit ones, so the reference's
+  residual bytes and time overstate what 16-bit jnp code costs for the elementwise ops and
+  conv2d (``--size llm``: sigmoid, tanh and conv2d 2x, relu 1.5x, from that alone); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
   of the jitted forward + backward.
 """
 from __future__ import annotations
@@ -280,7 +284,9 @@ def format_table(report: dict[str, Any]) -> str:
     mode = report.get("mode", "vjp")
     title = (f"jaxbwd bench ({report['size']}{', jvp' if mode == 'jvp' else ''}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
              f"{report['date']}; copy bandwidth {_num(report['copy_gb_s'])} GB/s")
-    key = ("ref = jax.grad of the op's plain-jnp reference (XLA autodiff); ms: forward + backward, median; "
+    key = ("ref = jax.grad of the op's plain-jnp reference (XLA autodiff of jaxbwd.reference, which computes in "
+           "float32 as the ops do: with 16-bit inputs it keeps f32 values that a 16-bit jnp formula would not, so "
+           "ref resid and ref ms are larger for elementwise ops and conv2d); ms: forward + backward, median; "
            "speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; resid: bytes saved for the backward; "
            "temp: compiled temporary memory")
     if mode == "jvp":

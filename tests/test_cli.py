@@ -66,6 +66,15 @@ def test_check_reports_progress_and_names_forward_and_grad_rows(capsys):
     assert checked == {"forward", "grad x", "grad weight"}
     assert all(r[-1] == "pass" for r in rows)
     assert _width(out) <= 120
+    assert "Pallas backend" not in out  # the default, Triton, goes without saying
+
+
+def test_check_says_which_pallas_backend_its_examples_run(capsys):
+    with jaxbwd.config.use(pallas_backend="mosaic"):
+        assert cli.main(["check", "--ops", "silu"]) == 0
+    out = capsys.readouterr().out
+    assert ("Pallas backend mosaic asked for: the checks' float32 examples have no Mosaic GPU kernel and run "
+            "the Triton kernels") in out
 
 
 def test_bench_table_fits_120_columns_and_has_no_zero_figures():

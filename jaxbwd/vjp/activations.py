@@ -504,7 +504,9 @@ def softmax(x, axis=-1, where=None, *, implementation=None):
       x's shape and dtype; max, exp and sum in float32.
 
     Residuals: the output y only (the gradient needs nothing else, and y is often kept
-    alive by the caller anyway). Backward: ``dx = y * (dy - sum(dy * y))`` over the softmax
+    alive by the caller anyway). With ``where``, ``jax.vjp`` also keeps the masked x and
+    the mask that the ``-inf`` fill (plain XLA before the op) was built from; inside
+    ``lax.scan`` or under ``jit`` only y is stacked or kept. Backward: ``dx = y * (dy - sum(dy * y))`` over the softmax
     entries; the kernel (``softmax_bwd``) works on the last axis: one other axis is moved
     there, several are moved there and flattened into one (a transpose unless they are
     already the trailing axes). ``where`` becomes ``-inf`` in x's masked entries first.

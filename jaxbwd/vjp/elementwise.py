@@ -18,9 +18,11 @@ the op's reference test the formula once and its two compilations.
 
 Whether the kernel pays, said once for every op built here: the XLA backward is one loop
 fusion that reads v and dy and writes dx, already the minimum traffic; the kernel moves the
-same bytes. The op's gain over ``jax.grad`` of a plain forward is in residuals (one array,
-the derivative recomputed, instead of autodiff's intermediates) and in a derivative stable
-at saturation; a Pallas path exists so that one switch (``implementation``) covers every op,
+same bytes. The op's gain over ``jax.grad`` of a plain forward, where there is one, is in
+residuals (one array, the derivative recomputed, instead of autodiff's intermediates: silu,
+gelu) and in a derivative stable at saturation; not for leaky_relu, which keeps x where
+autodiff of ``jnp.where`` keeps a one-byte mask (x is kept because, for a slope <= 0 or an
+output that underflows to 0, the output does not tell the branch); a Pallas path exists so that one switch (``implementation``) covers every op,
 and so that ``python -m jaxbwd compile`` can hold the compiled kernel to the same gates.
 """
 from __future__ import annotations

@@ -301,9 +301,11 @@ def adaptive_avg_pool2d(x, output_size, *, implementation=None):
       i averages input rows ``floor(i H / oh)`` to ``ceil((i + 1) H / oh) - 1`` (likewise
       for columns).
 
-    Residuals: none. Backward: ``dx = A_h^T dy A_w`` with the two constant averaging
-    matrices, XLA dots (autodiff of the einsum): linear, deterministic, and with windows
-    that may overlap and differ in size a kernel would not beat two small GEMMs.
+    Residuals: the two constant averaging matrices ([oh, H] and [ow, W], in the compute
+    dtype) and, at some shapes, a small partial product that XLA's contraction order of the
+    einsum keeps (autodiff of the einsum). Backward: ``dx = A_h^T dy A_w``, XLA dots:
+    linear, deterministic, and with windows that may overlap and differ in size a kernel
+    would not beat two small GEMMs.
 
     Raises:
       TypeError: x not floating; output_size not ints. ValueError: x not rank 4; no

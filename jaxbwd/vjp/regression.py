@@ -4,8 +4,10 @@ Forward and backward are XLA by design. The backward, ``dp = g * c * w * (p - t)
 ``dt = -dp`` (``c = 2/N`` for ``"mean"``, 2 otherwise; ``g`` the incoming cotangent),
 ``dw = g * c/2 * (p - t)**2``, is one multi-output loop fusion that reads p, t (and w)
 and writes the gradients: the minimum traffic, which a Pallas kernel would only match.
-What the op adds over ``jax.grad`` of the plain formula is its residuals: the inputs
-only (aliases of arrays the caller holds), no ``p - t`` temporary kept for the backward.
+Residuals: the inputs p and t (and w), where ``jax.grad`` of the plain formula keeps one
+``p - t`` array: in a training step, whose targets stay alive as the batch's input, that is
+the same memory (p in place of p - t), and less where the caller keeps p alive too; counted
+as residual bytes (``python -m jaxbwd bench``) it is twice autodiff's.
 """
 from __future__ import annotations
 
