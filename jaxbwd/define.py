@@ -404,10 +404,13 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
     Args:
       name: the op's name; the kernel is ``<name>_bwd``.
       forward: ``forward(x, **params)`` in jnp, on float32 input.
-      derivative: ``derivative(v, **params) -> f'(x)`` where ``v`` is x (``saves="input"``)
-        or the output (``saves="output"``); float32 jnp code that also traces inside a
-        Pallas kernel (``jnp.where``, arithmetic, ``exp``, ``tanh``...).
-      saves: which array the forward keeps for the backward.
+      derivative: ``derivative(v, **params) -> f'(x)`` where ``v`` is x (``saves="input"``),
+        the output (``saves="output"``) or the branch (``saves="branch"``: 1 where x >= 0,
+        -1 elsewhere, NaN included, so ``v >= 0`` reads as ``x >= 0``); float32 jnp code
+        that also traces inside a Pallas kernel (``jnp.where``, arithmetic, ``exp``,
+        ``tanh``...).
+      saves: what the forward keeps for the backward: x, the output, or the branch as one
+        int8 per element (for piecewise-linear maps split at 0, as leaky_relu).
       kernel_derivative: the same derivative written for the kernel when ``derivative``
         uses something Triton cannot lower (e.g. ``lax.erf``).
 
@@ -420,7 +423,7 @@ def define_elementwise(name: str, forward: Callable, derivative: Callable, *, sa
 
     Raises:
       ValueError: ``name`` is not an identifier or is one of jaxbwd's own ops; ``saves`` is
-        neither "input" nor "output". TypeError: a formula that is not callable.
+        not "input", "output" or "branch". TypeError: a formula that is not callable.
 
     Source: the chain rule for a unary map, ``dx = dy * f'(x)`` (or ``f'`` written in terms
     of the saved output ``y = f(x)``), one elementwise pass in the backward.

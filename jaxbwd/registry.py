@@ -256,7 +256,7 @@ _SPECS: list[OpSpec] = [
     OpSpec(
         name="leaky_relu", family="activations", fn=activations.leaky_relu, reference=ref.leaky_relu,
         diff_argnums=(0,), static_params=("negative_slope",), kernels=("leaky_relu_bwd",),
-        backward="dx = dy * (x >= 0 ? 1 : slope) from the saved x; the kernel moves the same bytes as XLA's fusion (no gain)",
+        backward="dx = dy * (x >= 0 ? 1 : slope) from the saved branch (int8); the kernel moves the same bytes as XLA's fusion (no gain)",
         examples=_unary_examples() + (
             Example("5x123-slope0.2", lambda k, dt: ((_normal(k, (5, 123), dt), 0.2), {})),
             Example("5x123-slope-0.5", lambda k, dt: ((_normal(k, (5, 123), dt),), {"negative_slope": -0.5})),
@@ -266,7 +266,7 @@ _SPECS: list[OpSpec] = [
             BadInput("integer x", lambda: ((jnp.ones((4,), jnp.int32),), {}), TypeError, r"x must have a floating dtype"),
             BadInput("negative_slope", lambda: ((jnp.ones((4,)),), {"negative_slope": "0.1"}), TypeError, r"negative_slope must be a real Python number, got '0.1'"),
         ),
-        residual_budget=lambda x, *a, **_: _nbytes(x),
+        residual_budget=lambda x, *a, **_: x.size,  # one int8 per element
     ),
     OpSpec(
         name="sigmoid", family="activations", fn=activations.sigmoid, reference=ref.sigmoid,

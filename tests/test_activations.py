@@ -198,6 +198,26 @@ def test_unary_matches_jax_at_extremes_and_kinks(op, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("slope", [0.01, 0.0, -0.5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_leaky_relu_keeps_the_branch_as_int8(dtype, slope, impl):
+    # One int8 per element, as autodiff of jax.nn.leaky_relu's jnp.where keeps a mask; the
+    # gradient and the tangent equal jax's bit for bit, at -0.0, NaN, infinities and an
+    # input whose slope * x underflows to 0.
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x = jnp.array([-2.0, -0.0, 0.0, 1.5, jnp.nan, -1e-45, 3.0, -jnp.inf, jnp.inf], dtype)
+    f = lambda x: leaky_relu(x, slope, implementation=impl)  # noqa: E731
+    want = jax.grad(lambda x: jnp.sum(jax.nn.leaky_relu(x.astype(jnp.float32), slope)))(x)
+    got = jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))(x)
+    tangent = jax.jvp(f, (x,), (jnp.ones_like(x),))[1]
+    for a in (got, tangent):
+        assert a.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(want, np.float32))
+    assert [v.str_short() for v, _ in saved_residuals(lambda x: jnp.sum(f(x)), x)] == ["int8[9]"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_exact_gelu_grad_relative_accurate_in_the_negative_tail(impl):
     """gelu' = Phi(x) + x phi(x) with Phi from erfc: computed as (1 + erf) / 2, Phi cancelled
     to 0 below x = -5.5 and gelu' was 3-10% off there (absolute error ~1e-8, invisible to

@@ -42,6 +42,27 @@ class TestDefineElementwiseContract(jaxbwd.testing.OpContract):
     spec = SOFTPLUS
 
 
+# saves="branch": a derivative that only the sign of x determines, from one int8 per element
+# (the residual budget holds it to that).
+def _kinked(x):
+    return jnp.where(x >= 0, 2.0 * x, -3.0 * x)
+
+
+kinked = jaxbwd.define_elementwise("kinked_test", _kinked, lambda v: jnp.where(v >= 0, 2.0, -3.0), saves="branch")
+KINKED = registry.OpSpec(
+    name="kinked_test", family="user", fn=kinked, reference=lambda x: _kinked(x.astype(jnp.float32)).astype(x.dtype),
+    diff_argnums=(0,), static_params=(), kernels=kinked.kernels, backward="Pallas: generated elementwise kernel",
+    examples=(registry.Example("7x300", lambda k, dt: ((jax.random.normal(k, (7, 300), jnp.float32).astype(dt),), {})),),
+    lowering=(registry.Example("4096x4096", lambda k, d: ((jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16),), {})),),
+    bad_inputs=(registry.BadInput("integer x", lambda: ((jnp.ones(3, jnp.int32),), {}), TypeError, "floating"),),
+    residual_budget=lambda x: x.size,
+)
+
+
+class TestBranchResidualContract(jaxbwd.testing.OpContract):
+    spec = KINKED
+
+
 # A fwd rule (what is saved) and no tangent rule: reverse mode only.
 cube_fwd = jaxbwd.define_op("cube_fwd_test", forward=lambda x: x ** 3, fwd=lambda x: (x ** 3, (x * x,)),
                             backward=lambda res, dy: (3.0 * res[0] * dy,))

@@ -159,6 +159,8 @@ def store(ref, idx, value, mask):
 
 
 def load_tile(ref, rows, cols, mask, other=0.0):
+    if jnp.issubdtype(ref.dtype, jnp.integer):  # an int8 residual (leaky_relu's branch); typed
+        other = int(other)  # as the ref, so that strict dtype promotion accepts the fill
     return load(ref, (rows[:, None], cols[None, :]), mask, other)
 
 

@@ -99,9 +99,9 @@ def relu_grad(y):
 
 
 def leaky_relu_grad(x, *, negative_slope: float):
-    """``leaky_relu'`` from the input: 1 where x >= 0 (``jax.nn.leaky_relu`` takes the
-    identity branch at 0), else ``negative_slope``. From the input because for
-    ``negative_slope <= 0`` the output's sign does not tell the branch."""
+    """``leaky_relu'``: 1 where x >= 0 (``jax.nn.leaky_relu`` takes the identity branch
+    at 0), else ``negative_slope``. ``x`` is the input or the saved branch (+1/-1, the op's
+    residual), which ``x >= 0`` reads alike."""
     return jnp.where(x >= 0, 1.0, negative_slope).astype(x.dtype)
 
 

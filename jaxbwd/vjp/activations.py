@@ -66,7 +66,7 @@ _GELU = Elementwise(
 _RELU = Elementwise("relu", lambda x: jnp.maximum(x, 0), kernels.relu_grad, saves="output",
                     cost=lambda **_: kernels.BWD_COST["relu"])
 _LEAKY_RELU = Elementwise("leaky_relu", lambda x, negative_slope: jnp.where(x >= 0, x, negative_slope * x),
-                          kernels.leaky_relu_grad, cost=lambda **_: kernels.BWD_COST["leaky_relu"])
+                          kernels.leaky_relu_grad, saves="branch", cost=lambda **_: kernels.BWD_COST["leaky_relu"])
 _SIGMOID = Elementwise("sigmoid", jax.nn.sigmoid, kernels.sigmoid_grad, saves="output",
                        cost=lambda **_: kernels.BWD_COST["sigmoid"])
 _TANH = Elementwise("tanh", jnp.tanh, kernels.tanh_grad, saves="output", cost=lambda **_: kernels.BWD_COST["tanh"])
@@ -171,9 +171,11 @@ def leaky_relu(x, negative_slope=0.01, *, implementation=None):
     Returns:
       [...] in x's dtype, computed in float32.
 
-    Residuals: x (for ``negative_slope <= 0`` the output's sign does not tell the branch).
-    Backward: ``dx = dy * (1 if x >= 0 else negative_slope)``, kernel ``leaky_relu_bwd`` or
-    XLA. As for :func:`relu`, the kernel moves the same bytes as XLA's fused backward and
+    Residuals: the branch, one int8 per element (+1 where x >= 0, -1 elsewhere, NaN
+    included), as autodiff of ``jnp.where`` keeps a one-byte mask (the output would not
+    tell the branch for ``negative_slope <= 0``, nor where ``negative_slope * x``
+    underflows to 0). Backward: ``dx = dy * (1 if x >= 0 else negative_slope)``, kernel
+    ``leaky_relu_bwd`` or XLA. As for :func:`relu`, the kernel moves the same bytes as XLA's fused backward and
     does not pay in time.
 
     Raises:

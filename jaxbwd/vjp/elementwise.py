@@ -6,7 +6,9 @@
 * the forward in XLA, computed in float32 (float64 stays float64), output in x's dtype;
 * one residual, x or y (``saves``): whichever the derivative needs; a derivative that the
   output determines (sigmoid, tanh, relu) saves y, which the next layer usually keeps
-  anyway, so the residual is often free;
+  anyway, so the residual is often free; one that only the sign of x determines
+  (leaky_relu, whose output does not tell the branch for slopes <= 0) saves the branch as
+  one int8 per element;
 * the XLA backward ``dx = dy * f'(v)`` and the tangent ``dy = dx * f'(v)``, both in
   float32 from the same ``derivative``;
 * a Pallas backward kernel named ``<name>_bwd``: ``E.map_tiles`` over 2-D tiles
@@ -18,11 +20,10 @@ the op's reference test the formula once and its two compilations.
 
 Whether the kernel pays, said once for every op built here: the XLA backward is one loop
 fusion that reads v and dy and writes dx, already the minimum traffic; the kernel moves the
-same bytes. The op's gain over ``jax.grad`` of a plain forward, where there is one, is in
-residuals (one array, the derivative recomputed, instead of autodiff's intermediates: silu,
-gelu) and in a derivative stable at saturation; not for leaky_relu, which keeps x where
-autodiff of ``jnp.where`` keeps a one-byte mask (x is kept because, for a slope <= 0 or an
-output that underflows to 0, the output does not tell the branch); a Pallas path exists so that one switch (``implementation``) covers every op,
+same bytes. The op's gain over ``jax.grad`` of a plain forward is in residuals (one array,
+the derivative recomputed, instead of autodiff's intermediates: silu, gelu; leaky_relu's
+int8 branch is what autodiff of ``jnp.where`` keeps) and in a derivative stable at
+saturation; a Pallas path exists so that one switch (``implementation``) covers every op,
 and so that ``python -m jaxbwd compile`` can hold the compiled kernel to the same gates.
 """
 from __future__ import annotations
@@ -49,9 +50,13 @@ class Elementwise:
     Args:
       name: the op's public name (errors, the kernel ``<name>_bwd``).
       forward: ``forward(x, **params) -> y`` on float32 (or float64) arrays.
-      derivative: ``derivative(v, **params) -> f'(x)`` where ``v`` is x (``saves="input"``)
-        or y (``saves="output"``); jnp code that also traces inside a Pallas kernel.
-      saves: ``"input"`` or ``"output"``: the residual.
+      derivative: ``derivative(v, **params) -> f'(x)`` where ``v`` is x (``saves="input"``),
+        y (``saves="output"``) or the branch (``saves="branch"``: 1 where x >= 0, -1 where
+        not, NaN included, so that ``v >= 0`` tells it as ``x >= 0`` does); jnp code that
+        also traces inside a Pallas kernel.
+      saves: ``"input"``, ``"output"`` or ``"branch"``: the residual (``"branch"``: an int8
+        array, for a derivative that depends only on the sign of x, as autodiff of
+        ``jnp.where(x >= 0, ...)`` keeps a one-byte mask).
       kernel_derivative: the derivative used inside the kernel, when it must differ in how
         it is computed (not in value) from ``derivative``.
       cost: ``cost(**params) -> (flops, transcendentals)`` per element of the backward, for
@@ -62,8 +67,9 @@ class Elementwise:
 
     def __init__(self, name: str, forward: Callable, derivative: Callable, *, saves: str = "input",
                  kernel_derivative: Optional[Callable] = None, cost: Optional[Callable] = None):
-        if saves not in ("input", "output"):
-            raise ValueError(f"jaxbwd.Elementwise({name!r}): saves must be 'input' or 'output', got {saves!r}")
+        if saves not in ("input", "output", "branch"):
+            raise ValueError(f"jaxbwd.Elementwise({name!r}): saves must be 'input', 'output' or 'branch', "
+                             f"got {saves!r}")
         self.name, self.forward, self.derivative, self.saves = name, forward, derivative, saves
         self.kernel_derivative = kernel_derivative or derivative
         self.kernel = f"{name}_bwd"
@@ -86,16 +92,20 @@ class Elementwise:
 
     def _fwd(self, x, params, impl):
         y = self._primal(x, params, impl)
+        if self.saves == "branch":
+            return y, jnp.where(x >= 0, 1, -1).astype(jnp.int8)
         return y, (x if self.saves == "input" else y)
 
     def _grad(self, v, params, dy):
-        return (_cf(dy) * self.derivative(_cf(v), **dict(params))).astype(v.dtype)
+        g = _cf(dy)
+        v = v.astype(g.dtype) if self.saves == "branch" else _cf(v)
+        return (g * self.derivative(v, **dict(params))).astype(dy.dtype)
 
     def _bwd(self, params, impl, v, dy):
         if impl.pallas:
             kd = functools.partial(self.kernel_derivative, **dict(params))
             flops, transcendentals = self.cost(**dict(params))
-            (dx,) = E.map_tiles(self.kernel, lambda v, dy: (dy * kd(v),), (v, dy), (v.dtype,),
+            (dx,) = E.map_tiles(self.kernel, lambda v, dy: (dy * kd(v),), (v, dy), (dy.dtype,),
                                 flops=flops, transcendentals=transcendentals, interpret=impl.interpret)
             return (dx,)
         return (self._grad(v, params, dy),)
