@@ -11,11 +11,16 @@ the op's formula. Use them in place of JAX's of the same name::
 
     jax.checkpoint(block, policy=jaxbwd.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
-What each saves besides JAX's choices (an op's residuals are listed in its docstring):
+What each saves besides JAX's choices (an op's residuals are listed in its docstring; the
+ones saved are those the op computes, such as statistics and logsumexp: a residual that is
+one of the op's inputs is saved where its producer is, as JAX's policies treat the inputs of
+any equation, never as a copy, which in a scan over layers would stack every layer's
+weights a second time):
 
 * :data:`dots_saveable`: ``matmul``, ``conv2d``, ``linear_cross_entropy`` and
-  ``dot_product_attention`` (attention's residuals are q, k, v, the output and the [B, N, T]
-  logsumexp, not the T x S probabilities that JAX's policy saves from a plain-jnp attention).
+  ``dot_product_attention`` (attention's output and [B, N, T] logsumexp, not the T x S
+  probabilities that JAX's policy saves from a plain-jnp attention; its q, k, v are saved
+  as the outputs of the projections that make them).
 * :data:`dots_with_no_batch_dims_saveable` and :func:`offload_dot_with_no_batch_dims`:
   ``matmul`` and ``linear_cross_entropy`` (products with no batch dimensions; attention's
   are batched over heads, and JAX's rule leaves convolutions out).
@@ -44,7 +49,9 @@ _NO_BATCH_DOT_OPS = ("matmul", "linear_cross_entropy")
 
 
 def save_ops(*names: str) -> Callable[..., bool]:
-    """A policy saving the output and residuals of every application of the named ops.
+    """A policy saving the output and computed residuals of every application of the named
+    ops (the residuals that are the op's own inputs are saved where their producers are: name
+    those ops too, ``save_ops("matmul", "swiglu")``, or combine with a dot policy).
 
     Args:
       names: one or more op names as ``python -m jaxbwd list`` shows them (``"matmul"``,
@@ -101,8 +108,8 @@ def _with_ops(name: str, jax_policy: Callable[..., object], ops: tuple[str, ...]
 
     policy.__name__ = name
     policy.__doc__ = (
-        f"``jax.checkpoint_policies.{name}``, which also saves the output and residuals of "
-        f"jaxbwd's {', '.join(ops)}.\n\n"
+        f"``jax.checkpoint_policies.{name}``, which also saves the output and computed residuals of "
+        f"jaxbwd's {', '.join(ops)} (residuals that are their inputs are saved with their producers).\n\n"
         "Called by ``jax.checkpoint`` as ``policy(prim, *avals, **params)`` for each equation; "
         "returns what JAX's policy returns, or its saving decision for an application of one of "
         "those ops. Pass it as ``jax.checkpoint(f, policy=...)``. Raises nothing.\n\n"
@@ -126,7 +133,8 @@ def offload_dot_with_no_batch_dims(offload_src: str, offload_dst: str) -> Callab
 
     Returns:
       A ``jax.checkpoint`` policy. Every output of such an op's forward-rule equation is
-      offloaded, integer ones (linear_cross_entropy's labels) included.
+      offloaded: the op's output and the residuals it computes (linear_cross_entropy's
+      per-token statistics); its inputs x, w and labels are not outputs of that equation.
 
     Raises:
       Whatever JAX's ``offload_dot_with_no_batch_dims`` raises for the memory kinds.

@@ -127,6 +127,20 @@ def test_save_ops_saves_the_named_op_only():
                                 rtol=1e-6)
 
 
+@pytest.mark.skipif(not FORWARD_MODE, reason="save_ops needs jax >= 0.12 (tested below)")
+def test_save_ops_saves_input_residuals_with_their_producers():
+    # swiglu's residuals are its inputs, gate and up: saved when the matmuls that make them
+    # are named too, recomputed from x when only swiglu is (as JAX's policies treat the
+    # inputs of any equation), and never saved as extra copies.
+    p, x = _params()
+    f = lambda x, p: jnp.sum(_jaxbwd_layer("xla")(x, p))  # noqa: E731
+    x0, p0 = x[0], jax.tree.map(lambda a: a[0], p)
+    products = lambda policy: sum(line.startswith(f"f32[{T},{H}] output of")  # noqa: E731
+                                  for line in saved_residuals(jax.checkpoint(f, policy=policy), x0, p0))
+    assert products(P.save_ops("matmul", "swiglu")) == 3  # gate, up and swiglu's output
+    assert products(P.save_ops("swiglu")) == 1  # its output only
+
+
 def test_save_ops_needs_names_of_ops():
     with pytest.raises(TypeError, match="jaxbwd.checkpoint_policies.save_ops: op names must be strings, got 3"):
         P.save_ops("matmul", 3)

@@ -77,6 +77,31 @@ class TestFwdWithoutTangentContract(jaxbwd.testing.OpContract):
     spec = CUBE_FWD
 
 
+def test_fwd_rule_runs_on_values_outside_transformations_on_both_paths():
+    # Outside jit a fwd rule sees concrete arrays (it may check them) on the kernel path as on
+    # the XLA path; under jit both see tracers.
+    import jax.experimental.pallas as pl
+
+    def kernel_backward(res, dy, *, interpret):
+        def k(d_ref, o_ref):
+            o_ref[...] = d_ref[...] * 2
+
+        return (pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct(dy.shape, dy.dtype), interpret=interpret,
+                               name="double_test")(dy),)
+
+    def fwd(x):
+        if not bool(jnp.all(jnp.isfinite(x))):
+            raise ValueError("non-finite input")
+        return x * 2, (x,)
+
+    op = jaxbwd.define_op("eager_fwd_test", forward=lambda x: x * 2, fwd=fwd, backward=lambda r, d: (d * 2,),
+                          pallas_backward=kernel_backward, kernels=("double_test",))
+    with config.use(interpret=True):
+        for impl in ("xla", "pallas"):
+            g = jax.grad(lambda x: jnp.sum(op(x, implementation=impl)))(jnp.ones((4, 8)))
+            np.testing.assert_array_equal(g, 2.0)
+
+
 def test_op_without_forward_mode_runs_reverse_mode_under_checkpoint():
     assert not CUBE_FWD.forward_mode
     x = jnp.linspace(-2.0, 2.0, 6)

@@ -182,8 +182,6 @@ def _differentiable(rule: Callable, nondiff: tuple, *, forwards_inputs: bool = F
     if all(t is None for t in twins):
         return functools.partial(rule, *nondiff)
     xla_nondiff = tuple(v if t is None else t for v, t in zip(nondiff, twins))
-    if forwards_inputs:
-        return functools.partial(_forwarding_inputs, rule, nondiff, xla_nondiff)
 
     @jax.custom_jvp
     def kernel(*args):
@@ -193,7 +191,17 @@ def _differentiable(rule: Callable, nondiff: tuple, *, forwards_inputs: bool = F
     def _(primals, tangents):
         return jax.jvp(functools.partial(rule, *xla_nondiff), primals, tangents)
 
-    return kernel
+    if not forwards_inputs:
+        return kernel
+
+    def fwd(*args):
+        # On concrete arguments (eager, as the XLA path runs the rule) there is no scan or
+        # remat to see the residuals: the rule runs on the values.
+        if not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)):
+            return kernel(*args)
+        return _forwarding_inputs(rule, nondiff, xla_nondiff, *args)
+
+    return fwd
 
 
 def _forwarding_inputs(rule: Callable, nondiff: tuple, xla_nondiff: tuple, *args):
