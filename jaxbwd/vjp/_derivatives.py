@@ -204,6 +204,13 @@ def _differentiable(rule: Callable, nondiff: tuple, *, forwards_inputs: bool = F
     return fwd
 
 
+def _passed_through(closed) -> tuple:
+    """Per output of a closed jaxpr: the index of the input it passes through, or None where
+    the jaxpr computes it."""
+    position = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
+    return tuple(position.get(id(v)) for v in closed.jaxpr.outvars)
+
+
 def _forwarding_inputs(rule: Callable, nondiff: tuple, xla_nondiff: tuple, *args):
     """``rule(*nondiff, *args)`` as :func:`_differentiable`'s ``custom_jvp``, except that
     outputs which are inputs passed through are those inputs. The rule is traced once; the
@@ -211,8 +218,7 @@ def _forwarding_inputs(rule: Callable, nondiff: tuple, xla_nondiff: tuple, *args
     :func:`_differentiable`, is the XLA rule's)."""
     flat_args, in_tree = jax.tree.flatten(args)
     closed, out_shape = jax.make_jaxpr(lambda *a: rule(*nondiff, *a), return_shape=True)(*args)
-    position = {id(v): i for i, v in enumerate(closed.jaxpr.invars)}
-    source = [position.get(id(v)) for v in closed.jaxpr.outvars]
+    source = _passed_through(closed)
     computed = [j for j, i in enumerate(source) if i is None]
     run = jax.extend.core.jaxpr_as_fun(closed)
 
@@ -484,8 +490,7 @@ if _HAVE_HIJAX:
         """``rules.fwd(*args)`` bound as a :class:`_Fwd`, with the inputs it passes through as
         residuals put back around the equation."""
         jaxpr, shapes = jax.make_jaxpr(rules.fwd, return_shape=True)(*args)
-        position = {id(v): i for i, v in enumerate(jaxpr.jaxpr.invars)}
-        source = tuple(position.get(id(v)) for v in jaxpr.jaxpr.outvars)
+        source = _passed_through(jaxpr)
         computed_avals = [a for a, s in zip(jaxpr.out_avals, source) if s is None]
         in_avals = [None if a is None else jax.typeof(a) for a in args]
         prim = _Fwd(rules, in_avals, computed_avals, source, jax.tree_util.tree_structure(shapes))
