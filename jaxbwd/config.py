@@ -347,8 +347,8 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
                     f"kernels exist for {sorted(MOSAIC_KERNELS)}); use 'pallas' for its Triton kernels"
                 )
             covers = "; ".join(
-                f"sm_{k}: {'/'.join(v['dtypes'])} inputs" + (f", last dim <= {v['max_last_dim']}"
-                                                              if "max_last_dim" in v else "")
+                f"sm_{k}: {'/'.join(v['dtypes'])} inputs"
+                + (f", last dim <= {v['max_last_dim']}" if "max_last_dim" in v else "")
                 for k, v in sorted(table.items()))
             too_wide = any(last_dim is not None and last_dim > v.get("max_last_dim", last_dim) for v in table.values())
             raise ValueError(
