@@ -15,12 +15,17 @@ What is counted:
   device's copy bandwidth measured in the same run (read + write of a 256 MiB buffer).
 - TFLOP/s for ops that declare ``flops`` in the registry (attention counts its backward
   as 2.5x the forward, the FlashAttention-2 convention).
+- ref: what a user computes without jaxbwd, ``jaxbwd.baselines`` (the jax.nn, optax or lax
+  function the op replaces, in the input dtype: ``jax.nn.silu``,
+  ``optax.softmax_cross_entropy_with_integer_labels``, ``jax.nn.dot_product_attention`` with
+  ``implementation="xla"``), each row naming it. Where the library has no such function (RoPE,
+  the norms, dropout) or none for the row's options, the ref is ``jaxbwd.reference``, which
+  computes in float32 and casts back (the norms' statistics, as flax's modules do); the table
+  marks those rows with ``*``. With 16-bit inputs, autodiff of a float32 formula keeps float32
+  values, so its residual bytes and time overstate what 16-bit jnp code costs; the marked rows
+  carry that caveat, the others do not.
 - residual bytes = the arrays the forward keeps for the backward (the leaves of the vjp
-  closure, inputs included). The reference (``jaxbwd.reference``) computes in float32 and
-  casts back, as the ops do; with 16-bit inputs its autodiff keeps float32 values where a
-  plain 16-bit formula (``jax.nn.sigmoid`` on bf16) keeps 16-bit ones, so the reference's
-  residual bytes and time overstate what 16-bit jnp code costs for the elementwise ops and
-  conv2d (``--size llm``: sigmoid, tanh and conv2d 2x, relu 1.5x, from that alone); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
+  closure, inputs included); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
   of the jitted forward + backward.
 """
 from __future__ import annotations
@@ -56,6 +61,7 @@ class BenchRow:
     temp_bytes: Optional[int]
     temp_bytes_autodiff: Optional[int]
     mode: str = "vjp"
+    baseline: str = "jaxbwd.reference"  # what "autodiff" differentiates (see the module docstring)
 
 
 def _materialise(args, key):
@@ -126,15 +132,58 @@ def jvp_step(f, n):
     return lambda *d_and_t: jax.jvp(f, tuple(d_and_t[:n]), tuple(d_and_t[n:]))
 
 
+def _abstractly(body, args, kwargs):
+    """``jax.eval_shape`` of ``body(args, kwargs)`` with the arrays among them (concrete or
+    ShapeDtypeStructs) abstract and the rest as given: nothing is computed."""
+    leaves, tree = jax.tree_util.tree_flatten((list(args), kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))]
+
+    def f(*xs):
+        full = list(leaves)
+        for i, x in zip(arrays, xs):
+            full[i] = x
+        return body(*jax.tree_util.tree_unflatten(tree, full))
+
+    return jax.eval_shape(f, *[leaves[i] for i in arrays])
+
+
+def residual_bytes(spec: registry.OpSpec, fn, args, kwargs, **extra) -> int:
+    """Bytes ``jax.vjp`` of ``fn`` (the op when ``fn is None``) keeps for the backward: the
+    leaves of its vjp closure, inputs included; measured on abstract values, so realistic
+    shapes cost nothing. ``extra`` goes to every call (e.g. ``implementation``)."""
+    def saved(a, k):
+        return jax.vjp(spec.bind(a, k, fn, **extra), *[a[i] for i in spec.diff_argnums])[1]
+
+    return _nbytes(_abstractly(saved, args, kwargs))
+
+
+def baseline_fn(spec: registry.OpSpec, args, kwargs):
+    """``(fn, name)``: what the bench differentiates for the op called with ``args`` and
+    ``kwargs`` (which may be ShapeDtypeStructs): its baseline (``spec.baseline``), or its
+    reference where it has none or the baseline has no counterpart for these options;
+    ``name`` says which (the library call, or ``"jaxbwd.reference"``)."""
+    from jaxbwd import baselines
+
+    if spec.baseline is not None:
+        try:
+            _abstractly(lambda a, k: spec.baseline(*a, **k), args, kwargs)
+        except baselines.Unsupported:
+            pass
+        else:
+            return spec.baseline, spec.baseline.calls
+    return spec.reference, "jaxbwd.reference"
+
+
 def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: float, repeats: int = 10,
              mode: str = "vjp") -> BenchRow:
     """Times one op's forward + backward (``mode="vjp"``) or forward + tangent
-    (``mode="jvp"``) against autodiff of its reference."""
+    (``mode="jvp"``) against autodiff of its baseline (:func:`baseline_fn`)."""
     args, kwargs = bench_inputs(spec, size, jax.random.PRNGKey(0))
     diff = [args[i] for i in spec.diff_argnums]
 
     ours = spec.bind(args, kwargs, implementation=implementation)
-    theirs = spec.bind(args, kwargs, spec.reference)
+    base, baseline = baseline_fn(spec, args, kwargs)
+    theirs = spec.bind(args, kwargs, base)
     out_shape = jax.eval_shape(ours, *diff)
     flops = spec.flops(*args, **kwargs) if spec.flops else None
     shapes = " ".join("x".join(map(str, a.shape)) + ":" + jnp.dtype(a.dtype).name for a in args if hasattr(a, "shape"))
@@ -154,6 +203,7 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
             tflop_s=(jvp_flops / t_ours / 1e12) if jvp_flops else None,
             residual_bytes=None, residual_bytes_autodiff=None,
             temp_bytes=_temp_bytes(step_ours, *diff, *tangents), temp_bytes_autodiff=_temp_bytes(step_ref, *diff, *tangents),
+            baseline=baseline,
         )
     ct = jax.random.normal(jax.random.PRNGKey(1), out_shape.shape, jnp.float32).astype(out_shape.dtype)
 
@@ -168,8 +218,8 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
     t_ours = median_time(step_ours, ct, *diff, repeats=repeats)
     t_ref = median_time(step_ref, ct, *diff, repeats=repeats)
     moved = _nbytes(args) + 2 * _nbytes(ct) + _nbytes(diff)
-    res_ours = _nbytes(jax.vjp(ours, *diff)[1])
-    res_ref = _nbytes(jax.vjp(theirs, *diff)[1])
+    res_ours = residual_bytes(spec, None, args, kwargs, implementation=implementation)
+    res_ref = residual_bytes(spec, base, args, kwargs)
     gb_s = moved / t_ours / 1e9
     return BenchRow(
         op=spec.name, shapes=shapes, implementation=implementation,
@@ -178,6 +228,7 @@ def bench_op(spec: registry.OpSpec, size: str, implementation: str, copy_gb_s: f
         tflop_s=(flops / t_ours / 1e12) if flops else None,
         residual_bytes=res_ours, residual_bytes_autodiff=res_ref,
         temp_bytes=_temp_bytes(step_ours, ct, *diff), temp_bytes_autodiff=_temp_bytes(step_ref, ct, *diff),
+        baseline=baseline,
     )
 
 
@@ -254,7 +305,7 @@ def _num(x: float) -> str:
     return f"{x:.{2 - math.floor(math.log10(abs(x)))}f}"
 
 
-def _bytes(n: Optional[int]) -> str:
+def format_bytes(n: Optional[int]) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1 ("-" when unknown)."""
     if n is None:
         return "-"
@@ -270,10 +321,11 @@ def format_table(report: dict[str, Any]) -> str:
     head = ("op", "impl", "ms", "ref ms", "speedup", "GB/s", "%copy", "TFLOP/s",
             "resid", "ref resid", "temp", "ref temp")
     rows = [
-        (r["op"], r["implementation"], _num(r["ms"]), _num(r["ms_autodiff"]), f"{_num(r['speedup'])}x",
+        (r["op"] + ("*" if r.get("baseline", "jaxbwd.reference") == "jaxbwd.reference" else ""),
+         r["implementation"], _num(r["ms"]), _num(r["ms_autodiff"]), f"{_num(r['speedup'])}x",
          _num(r["gb_s"]), f"{_num(100 * r['of_copy'])}%", "-" if r["tflop_s"] is None else _num(r["tflop_s"]),
-         _bytes(r["residual_bytes"]), _bytes(r["residual_bytes_autodiff"]), _bytes(r["temp_bytes"]),
-         _bytes(r["temp_bytes_autodiff"]))
+         format_bytes(r["residual_bytes"]), format_bytes(r["residual_bytes_autodiff"]), format_bytes(r["temp_bytes"]),
+         format_bytes(r["temp_bytes_autodiff"]))
         for r in report["rows"]
     ]
     widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -284,14 +336,15 @@ def format_table(report: dict[str, Any]) -> str:
     mode = report.get("mode", "vjp")
     title = (f"jaxbwd bench ({report['size']}{', jvp' if mode == 'jvp' else ''}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
              f"{report['date']}; copy bandwidth {_num(report['copy_gb_s'])} GB/s")
-    key = ("ref = jax.grad of the op's plain-jnp reference (XLA autodiff of jaxbwd.reference, which computes in "
-           "float32 as the ops do: with 16-bit inputs it keeps f32 values that a 16-bit jnp formula would not, so "
-           "ref resid and ref ms are larger for elementwise ops and conv2d); ms: forward + backward, median; "
-           "speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; resid: bytes saved for the backward; "
-           "temp: compiled temporary memory")
+    key = ("ref = jax.grad of what a user calls without jaxbwd (jaxbwd.baselines: the jax.nn, optax or lax "
+           "function, in the input dtype; --json names it per row); * = no such function for the op or its "
+           "options, ref = jaxbwd.reference, which computes in float32 (with 16-bit inputs its resid and ms "
+           "overstate 16-bit jnp code); ms: forward + backward, median; speedup = ref ms / ms; %copy = GB/s over "
+           "the copy bandwidth; resid: bytes saved for the backward; temp: compiled temporary memory")
     if mode == "jvp":
-        key = ("ref = jax.jvp of the op's plain-jnp reference (XLA forward-mode autodiff); ms: forward + tangent, "
-               "median; speedup = ref ms / ms; %copy = GB/s over the copy bandwidth; temp: compiled temporary memory")
+        key = ("ref = jax.jvp of what a user calls without jaxbwd (as above; * = jaxbwd.reference), XLA's "
+               "forward-mode autodiff; ms: forward + tangent, median; speedup = ref ms / ms; %copy = GB/s over the "
+               "copy bandwidth; temp: compiled temporary memory")
     return "\n".join(textwrap.wrap(title, 120) + [line(head), line(["-" * w for w in widths])]
                      + [line(r) for r in rows] + textwrap.wrap(key, 120))
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbwd import baselines as bl
 from jaxbwd import reference as ref
 from jaxbwd.vjp import activations, linear, norms, shape
 from jaxbwd.vjp import embedding, losses, rope
@@ -89,6 +90,9 @@ class OpSpec:
     # contract then checks that jax.jvp raises NotImplementedError naming it, and
     # ``bench --mode jvp`` refuses it.
     forward_mode: bool = True
+    # What a user calls instead (``jaxbwd.baselines``: jax.nn/optax/lax in the input dtype),
+    # which the bench measures autodiff of; None: the reference.
+    baseline: Optional[Callable[..., Any]] = None
 
     @property
     def has_kernels(self) -> bool:
@@ -192,7 +196,7 @@ def _norm_bad(fn_args):
 
 _SPECS: list[OpSpec] = [
     OpSpec(
-        name="rms_norm", family="norms", fn=norms.rms_norm, reference=ref.rms_norm,
+        name="rms_norm", family="norms", fn=norms.rms_norm, reference=ref.rms_norm, baseline=bl.rms_norm,
         diff_argnums=(0, 1), static_params=("eps", "weight_offset"), kernels=("rms_norm_bwd",),
         backward="Pallas: dx per row block + f32 dweight partials (persistent grid)",
         examples=_x_w() + _x_w(weight_offset=1.0)[:1],
@@ -202,7 +206,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, w, **_: _nbytes(x, w) + 4 * _rows(x),
     ),
     OpSpec(
-        name="layer_norm", family="norms", fn=norms.layer_norm, reference=ref.layer_norm,
+        name="layer_norm", family="norms", fn=norms.layer_norm, reference=ref.layer_norm, baseline=bl.layer_norm,
         diff_argnums=(0, 1, 2), static_params=("eps",), kernels=("layer_norm_bwd",),
         backward="Pallas: dx per row block + f32 dweight/dbias partials (persistent grid)",
         examples=_x_w(extra=True),
@@ -211,7 +215,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, w, b, **_: _nbytes(x, w) + 8 * _rows(x),
     ),
     OpSpec(
-        name="softmax", family="activations", fn=activations.softmax, reference=ref.softmax,
+        name="softmax", family="activations", fn=activations.softmax, reference=ref.softmax, baseline=bl.softmax,
         diff_argnums=(0,), static_params=("axis", "where"), kernels=("softmax_bwd",),
         backward="Pallas: dx = y * (dy - sum(dy * y)) per row block; saves only y",
         examples=_unary_examples() + (
@@ -229,7 +233,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),  # y only
     ),
     OpSpec(
-        name="silu", family="activations", fn=activations.silu, reference=ref.silu,
+        name="silu", family="activations", fn=activations.silu, reference=ref.silu, baseline=bl.silu,
         diff_argnums=(0,), static_params=(), kernels=("silu_bwd",),
         backward="Pallas: fused elementwise dx = dy * s * (1 + x * (1 - s))",
         examples=_unary_examples(), lowering=_unary_lowering(),
@@ -237,7 +241,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),
     ),
     OpSpec(
-        name="gelu", family="activations", fn=activations.gelu, reference=ref.gelu,
+        name="gelu", family="activations", fn=activations.gelu, reference=ref.gelu, baseline=bl.gelu,
         diff_argnums=(0,), static_params=("approximate",), kernels=("gelu_bwd",),
         backward="Pallas: fused elementwise GELU derivative (tanh form or exact via erf)",
         examples=_unary_examples() + _unary_examples(approximate=False)[:1],
@@ -246,7 +250,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),
     ),
     OpSpec(
-        name="relu", family="activations", fn=activations.relu, reference=ref.relu,
+        name="relu", family="activations", fn=activations.relu, reference=ref.relu, baseline=bl.relu,
         diff_argnums=(0,), static_params=(), kernels=("relu_bwd",),
         backward="dx = dy * (y > 0) from the saved output; the Pallas kernel moves the same bytes as XLA's fusion (no gain)",
         examples=_unary_examples(), lowering=_unary_lowering()[:1],
@@ -255,6 +259,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="leaky_relu", family="activations", fn=activations.leaky_relu, reference=ref.leaky_relu,
+        baseline=bl.leaky_relu,
         diff_argnums=(0,), static_params=("negative_slope",), kernels=("leaky_relu_bwd",),
         backward="dx = dy * (x >= 0 ? 1 : slope) from the saved branch (int8); the kernel moves the same bytes as XLA's fusion (no gain)",
         examples=_unary_examples() + (
@@ -269,7 +274,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, *a, **_: x.size,  # one int8 per element
     ),
     OpSpec(
-        name="sigmoid", family="activations", fn=activations.sigmoid, reference=ref.sigmoid,
+        name="sigmoid", family="activations", fn=activations.sigmoid, reference=ref.sigmoid, baseline=bl.sigmoid,
         diff_argnums=(0,), static_params=(), kernels=("sigmoid_bwd",),
         backward="dx = dy * y * (1 - y) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
         examples=_unary_examples(), lowering=_unary_lowering()[:1],
@@ -277,7 +282,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),  # y only
     ),
     OpSpec(
-        name="tanh", family="activations", fn=activations.tanh, reference=ref.tanh,
+        name="tanh", family="activations", fn=activations.tanh, reference=ref.tanh, baseline=bl.tanh,
         diff_argnums=(0,), static_params=(), kernels=("tanh_bwd",),
         backward="dx = dy * (1 - y**2) from the saved output; the kernel moves the same bytes as XLA's fusion (no gain)",
         examples=_unary_examples(), lowering=_unary_lowering()[:1],
@@ -285,7 +290,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),  # y only
     ),
     OpSpec(
-        name="swiglu", family="activations", fn=activations.swiglu, reference=ref.swiglu,
+        name="swiglu", family="activations", fn=activations.swiglu, reference=ref.swiglu, baseline=bl.swiglu,
         diff_argnums=(0, 1), static_params=("limit",), kernels=("swiglu_bwd",),
         backward="Pallas: fused elementwise dgate, dup (clamped lanes get 0)",
         examples=tuple(
@@ -306,7 +311,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="gated_linear_unit", family="activations", fn=activations.gated_linear_unit,
-        reference=ref.gated_linear_unit,
+        reference=ref.gated_linear_unit, baseline=bl.gated_linear_unit,
         diff_argnums=(0,), static_params=("activation", "limit"), kernels=("glu_bwd",),
         backward="Pallas: one kernel reads both halves of x and dy, writes both halves of dx",
         examples=(
@@ -325,7 +330,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, **_: _nbytes(x),
     ),
     OpSpec(
-        name="glu", family="activations", fn=activations.glu, reference=ref.glu,
+        name="glu", family="activations", fn=activations.glu, reference=ref.glu, baseline=bl.glu,
         diff_argnums=(0,), static_params=("axis",), kernels=(),
         backward="XLA by design: elementwise dx1 = dy*s, dx2 = dy*x1*s*(1-s), fused by XLA",
         examples=(
@@ -356,7 +361,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, b, **_: 0,
     ),
     OpSpec(
-        name="matmul", family="linear", fn=linear.matmul, reference=ref.matmul,
+        name="matmul", family="linear", fn=linear.matmul, reference=ref.matmul, baseline=bl.matmul,
         diff_argnums=(0, 1), static_params=(), kernels=(),
         backward="XLA dot (cuBLAS); a hand kernel does not beat it",
         examples=(
@@ -426,6 +431,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
+        baseline=bl.cross_entropy,
         diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
         backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1",
@@ -455,7 +461,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda logits, labels, **_: _nbytes(logits) + 12 * _rows(logits),
     ),
     OpSpec(
-        name="embed", family="embedding", fn=embedding.embed, reference=ref.embed,
+        name="embed", family="embedding", fn=embedding.embed, reference=ref.embed, baseline=bl.embed,
         diff_argnums=(1,), static_params=("padding_idx",), kernels=("embed_bwd", "embed_bwd_hot"),
         backward="Pallas: stable argsort of ids (XLA), programs only over the ids present sum 64-token chunks of dy in f32 into the zero-filled gradient; hot ids' chunks added in a fixed order",
         examples=(
@@ -523,7 +529,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="dot_product_attention", family="attention", fn=attention.dot_product_attention,
-        reference=ref.dot_product_attention, diff_argnums=(0, 1, 2),
+        reference=ref.dot_product_attention, baseline=bl.dot_product_attention, diff_argnums=(0, 1, 2),
         static_params=("scale", "is_causal", "local_window_size", "sliding_window", "logit_softcap"),
         kernels=("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"),
         backward="Pallas FlashAttention-2: flash fwd emits f32 lse; dk/dv kernel (GQA group summed in-kernel) + dq kernel recompute P from lse",
@@ -579,6 +585,7 @@ _SPECS: list[OpSpec] = [
     ),
     OpSpec(
         name="group_norm", family="norms", fn=group_norm_ops.group_norm, reference=ref.group_norm,
+        baseline=bl.group_norm,
         diff_argnums=(0, 1, 2), static_params=("num_groups", "eps", "activation"), kernels=("group_norm_bwd_sums", "group_norm_bwd"),
         backward="Pallas: per (sample, spatial chunk) programs over whole-channel pixel rows: f32 partial sums (XLA reduces them in a fixed order), then dx",
         examples=tuple(
@@ -610,7 +617,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda x, w, b, num_groups, **_: _nbytes(x, w, b) + 8 * x.shape[0] * num_groups,
     ),
     OpSpec(
-        name="upsample2d", family="vision", fn=vision.upsample2d, reference=ref.upsample2d,
+        name="upsample2d", family="vision", fn=vision.upsample2d, reference=ref.upsample2d, baseline=bl.upsample2d,
         diff_argnums=(0,), static_params=("scale", "method"), kernels=("upsample2d_bwd",),
         backward="Pallas gather form: each dx pixel sums (bilinear: weights x) the dy pixels it feeds, f32, no atomics",
         examples=(
@@ -665,7 +672,7 @@ _SPECS: list[OpSpec] = [
         residual_budget=lambda t, **_: 0,
     ),
     OpSpec(
-        name="conv2d", family="vision", fn=vision.conv2d, reference=ref.conv2d,
+        name="conv2d", family="vision", fn=vision.conv2d, reference=ref.conv2d, baseline=bl.conv2d,
         diff_argnums=(0, 1), static_params=("stride", "padding", "dilation", "groups"),
         kernels=("conv2d_dgrad", "conv2d_wgrad"),
         backward="Pallas implicit GEMMs: dgrad (stride by skipping taps per phase) and wgrad (f32 split-K partials)",
@@ -713,7 +720,7 @@ def _mse_example(shape, reduction, weighted):
 # The seed engine's remaining training ops (losses, regularisation, normalisation, pooling).
 _SPECS += [
     OpSpec(
-        name="mse_loss", family="losses", fn=regression.mse_loss, reference=ref.mse_loss,
+        name="mse_loss", family="losses", fn=regression.mse_loss, reference=ref.mse_loss, baseline=bl.mse_loss,
         diff_argnums=(0, 1), static_params=("reduction",), kernels=(),
         backward="XLA by design: one fused pass reads p, t (w), writes dp = 2 c w (p - t), dt = -dp (minimum bytes)",
         examples=(_mse_example((5, 123), "mean", False), _mse_example((2, 3, 96), "sum", True),
@@ -780,6 +787,7 @@ _SPECS += [
     ),
     OpSpec(
         name="batch_norm", family="norms", fn=batch_norm_ops.batch_norm, reference=ref.batch_norm,
+        baseline=bl.batch_norm,
         diff_argnums=(0, 1, 2), static_params=("eps", "momentum", "training", "axis", "axis_name"),
         kernels=("batch_norm_bwd_reduce", "batch_norm_bwd_dx"),
         backward="Pallas: f32 per-channel sums of dy, dy*x_hat from saved mean/rstd (dbias, dweight; partials, no atomics), then dx",
@@ -811,7 +819,7 @@ _SPECS += [
         residual_budget=lambda x, w, b, axis=-1, **_: _nbytes(x, w) + 8 * x.shape[axis],
     ),
     OpSpec(
-        name="max_pool2d", family="vision", fn=pooling.max_pool2d, reference=ref.max_pool2d,
+        name="max_pool2d", family="vision", fn=pooling.max_pool2d, reference=ref.max_pool2d, baseline=bl.max_pool2d,
         diff_argnums=(0,), static_params=("window_shape", "strides", "padding"), kernels=("max_pool2d_bwd",),
         backward="Pallas gather form: each dx element sums the dy of the windows whose saved int8 first-max offset names it (no atomics)",
         examples=(
@@ -835,7 +843,7 @@ _SPECS += [
         residual_budget=lambda x, w, strides=None, padding="VALID", **_: ref.max_pool2d(x, w, strides, padding).size,
     ),
     OpSpec(
-        name="avg_pool2d", family="vision", fn=pooling.avg_pool2d, reference=ref.avg_pool2d,
+        name="avg_pool2d", family="vision", fn=pooling.avg_pool2d, reference=ref.avg_pool2d, baseline=bl.avg_pool2d,
         diff_argnums=(0,), static_params=("window_shape", "strides", "padding", "count_include_pad"), kernels=(),
         backward="XLA gather form: dy / count spread over each window by interior-padded pads, summed (no scatter, no atomics)",
         examples=(
@@ -888,6 +896,7 @@ def _lce_lowering(T, D, V, dt, **kw):
 
 _SPECS.append(OpSpec(
     name="linear_cross_entropy", family="losses", fn=lce.linear_cross_entropy, reference=ref.linear_cross_entropy,
+    baseline=bl.linear_cross_entropy,
     diff_argnums=(0, 1),
     static_params=("ignore_index", "label_smoothing", "z_loss", "logit_softcap", "weights", "reduction",
                    "return_aux", "transpose_w"),

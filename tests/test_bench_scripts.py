@@ -166,3 +166,20 @@ def test_whole_model_gpu_table_header_labels_every_column(monkeypatch):
     header, row = (line.split(" | ") for line in lines)
     assert [h.strip() for h in header] == ["V"] + names
     assert len(row) == len(header) and [len(c) for c in row] == [len(h) for h in header]
+
+
+# ------------------------------------------------------------------ residuals.py
+
+def test_residuals_refuses_an_unknown_op():
+    _refused(_run("residuals.py", "--ops", "nope"), "unknown op 'nope'")
+
+
+def test_residuals_rows_name_the_baseline_and_its_bytes():
+    """Abstract shapes only: the llm-size attention row costs nothing to measure."""
+    r = _run("residuals.py", "--ops", "silu", "dot_product_attention", "rope")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in r.stdout.splitlines()[2:]}
+    assert rows["silu"][3] == "jax.nn.silu" and rows["silu"][5] == "3.00x"
+    assert rows["dot_product_attention"][3].startswith("jax.nn.dot_product_attention")
+    assert rows["dot_product_attention"][4].endswith("GiB") and rows["dot_product_attention"][2].endswith("MiB")
+    assert rows["rope"][3] == "jaxbwd.reference" and rows["rope"][4] == "-"

@@ -1,0 +1,253 @@
+"""What a user computes without jaxbwd: each op as the jax.nn, optax or lax function it
+replaces, in the input dtype, for ``python -m jaxbwd bench`` to time and measure autodiff of.
+
+``jaxbwd.reference`` computes in float32 and casts back, as the ops do, so that tests compare
+against the exact function; autodiff of it keeps float32 values where ``jax.nn.silu`` on a
+bfloat16 array keeps bfloat16 ones. A benchmark against it would flatter jaxbwd. These
+baselines are the calls a model would make instead: ``jax.nn.dot_product_attention``
+(``implementation="xla"``), ``optax.softmax_cross_entropy_with_integer_labels``,
+``lax.conv_general_dilated`` as ``flax.linen.Conv`` calls it, and so on, each with the
+precision and dtype those functions use by default.
+
+The norms and pools are flax's (``flax.linen.RMSNorm``, ``LayerNorm``, ``GroupNorm``,
+``BatchNorm``, ``max_pool``, ``avg_pool``), which compute their statistics in float32 as
+flax does by default; without flax installed (the ``flax`` extra) they are unsupported.
+
+Each function takes the op's arguments. An option its library has no counterpart for (a
+softcap, swiglu's clamp, Gemma's weight offset, the auxiliary outputs) raises
+:class:`Unsupported`, and the bench then measures against the reference for that case and
+says so. Ops absent here have no such library function (RoPE, dropout's counter-based mask,
+adaptive pooling) or are already plain jnp (reshape, residual_add, bias_add); the reference
+is their baseline.
+
+``tests/test_baselines.py`` checks every baseline against the reference in float32, value
+and gradients, on the registry's examples.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxbwd.vjp._base import widen_index
+
+
+class Unsupported(ValueError):
+    """The option has no counterpart in the library function the baseline calls."""
+
+
+def _calls(name):
+    """Records the library function a baseline calls, for the bench's report."""
+    def deco(fn):
+        fn.calls = name
+        return fn
+    return deco
+
+
+def _refuse(op, name, value, default):
+    """Raises :class:`Unsupported` when option ``name`` is not at its ``default``."""
+    if value is not default and value != default:
+        raise Unsupported(f"baseline of {op}: {name}={value!r} has no counterpart in the library function")
+
+
+@_calls("jax.nn.softmax")
+def softmax(x, *, axis=-1, where=None):
+    return jax.nn.softmax(x, axis=axis, where=where)
+
+
+@_calls("jax.nn.silu")
+def silu(x):
+    return jax.nn.silu(x)
+
+
+@_calls("jax.nn.gelu")
+def gelu(x, *, approximate=True):
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+@_calls("jax.nn.relu")
+def relu(x):
+    return jax.nn.relu(x)
+
+
+@_calls("jax.nn.leaky_relu")
+def leaky_relu(x, negative_slope=0.01):
+    return jax.nn.leaky_relu(x, negative_slope)
+
+
+@_calls("jax.nn.sigmoid")
+def sigmoid(x):
+    return jax.nn.sigmoid(x)
+
+
+@_calls("jnp.tanh")
+def tanh(x):
+    return jnp.tanh(x)
+
+
+@_calls("jax.nn.silu(gate) * up")
+def swiglu(gate, up, *, limit=None):
+    _refuse("swiglu", "limit", limit, None)
+    return jax.nn.silu(gate) * up
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=True),
+                "gelu_exact": functools.partial(jax.nn.gelu, approximate=False)}
+
+
+@_calls("jax.nn.<activation>(x1) * x2")
+def gated_linear_unit(x, *, activation="silu", limit=None):
+    _refuse("gated_linear_unit", "limit", limit, None)
+    g, u = jnp.split(x, 2, axis=-1)
+    return _ACTIVATIONS[activation](g) * u
+
+
+@_calls("jax.nn.glu")
+def glu(x, axis=-1):
+    return jax.nn.glu(x, axis=axis)
+
+
+@_calls("jnp.matmul")
+def matmul(x, w):
+    return jnp.matmul(x, w)
+
+
+@_calls("optax.softmax_cross_entropy_with_integer_labels")
+def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
+                  weights=None):
+    # ``weights`` serves linear_cross_entropy's per-token weights; the op has none.
+    V = logits.shape[-1]
+    labels = widen_index(labels)
+    valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
+    safe = jnp.where(valid, labels, 0)
+    if label_smoothing:  # optax's way: smoothed one-hot targets
+        targets = optax.smooth_labels(jax.nn.one_hot(safe, V, dtype=logits.dtype), label_smoothing)
+        loss = optax.softmax_cross_entropy(logits, targets)
+    else:
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    if z_loss:  # PaLM's z-loss; optax has none
+        loss = loss + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    if weights is not None:
+        loss = loss * weights
+    loss = jnp.where(valid, loss, 0)
+    if reduction == "none":
+        return loss
+    total = jnp.sum(loss)
+    if reduction == "sum":
+        return total
+    den = jnp.sum(jnp.where(valid, 1 if weights is None else weights, 0))
+    return jnp.where(den == 0, 0, total / jnp.where(den == 0, 1, den)).astype(total.dtype)
+
+
+@_calls("x @ w, then optax.softmax_cross_entropy_with_integer_labels")
+def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=None,
+                         weights=None, reduction="mean", return_aux=False, transpose_w=False):
+    _refuse("linear_cross_entropy", "return_aux", return_aux, False)
+    logits = x @ (w.T if transpose_w else w)
+    if logit_softcap is not None:
+        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+    return cross_entropy(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                         reduction=reduction, weights=weights)
+
+
+@_calls("jax.nn.dot_product_attention(implementation='xla')")
+def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=None, sliding_window=None,
+                          logit_softcap=None):
+    _refuse("dot_product_attention", "logit_softcap", logit_softcap, None)
+    mask = None
+    if segment_ids is not None:
+        qs, ks = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+        mask = (qs[:, :, None] == ks[:, None, :])[:, None]
+    window = None
+    if sliding_window is not None:  # jaxbwd's window w sees i - w < j; jax.nn's (left, right) are inclusive
+        window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
+                                        local_window_size=window, implementation="xla")
+
+
+@_calls("jax.image.resize")
+def upsample2d(x, scale, *, method="nearest"):
+    sh, sw = (scale, scale) if isinstance(scale, int) else tuple(scale)
+    N, H, W, C = x.shape
+    return jax.image.resize(x, (N, H * sh, W * sw, C), method=method)
+
+
+@_calls("lax.conv_general_dilated (as flax.linen.Conv)")
+def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)
+    if isinstance(padding, str):
+        pad = padding.upper()
+    else:
+        pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in pair(padding))
+    return jax.lax.conv_general_dilated(x, w, window_strides=pair(stride), padding=pad, rhs_dilation=pair(dilation),
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups)
+
+
+@_calls("optax.squared_error")
+def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
+    sq = optax.squared_error(predictions, targets)
+    if weights is not None:
+        sq = sq * weights
+    if reduction == "none":
+        return sq
+    return jnp.mean(sq) if reduction == "mean" else jnp.sum(sq)
+
+
+@_calls("jnp.take (as flax.linen.Embed)")
+def embed(ids, table, *, padding_idx=None):
+    _refuse("embed", "padding_idx", padding_idx, None)
+    # jnp.take would wrap negative ids; the op gives every id outside [0, V) a zero row
+    ids = jnp.where(ids < 0, table.shape[0], ids)
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+
+def _flax_linen(op):
+    try:
+        import flax.linen as nn
+    except ImportError:
+        raise Unsupported(f"baseline of {op}: flax is not installed (pip install 'jaxbwd[flax]')") from None
+    return nn
+
+
+@_calls("flax.linen.RMSNorm")
+def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0):
+    _refuse("rms_norm", "weight_offset", weight_offset, 0.0)
+    return _flax_linen("rms_norm").RMSNorm(epsilon=eps).apply({"params": {"scale": weight}}, x)
+
+
+@_calls("flax.linen.LayerNorm")
+def layer_norm(x, weight, bias, *, eps=1e-5):
+    return _flax_linen("layer_norm").LayerNorm(epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
+
+
+@_calls("flax.linen.GroupNorm, then jax.nn.silu")
+def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None):
+    nn = _flax_linen("group_norm")
+    y = nn.GroupNorm(num_groups=num_groups, epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
+    return jax.nn.silu(y) if activation == "silu" else y
+
+
+@_calls("flax.linen.BatchNorm (training)")
+def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
+    nn = _flax_linen("batch_norm")
+    C = x.shape[axis]
+    variables = {"params": {"scale": weight, "bias": bias},
+                 "batch_stats": {"mean": jnp.zeros((C,), jnp.float32), "var": jnp.ones((C,), jnp.float32)}}
+    y, _ = nn.BatchNorm(use_running_average=False, axis=axis, epsilon=eps).apply(variables, x, mutable=["batch_stats"])
+    return y
+
+
+def _pair(v):
+    return None if v is None else ((v, v) if isinstance(v, int) else tuple(v))
+
+
+@_calls("flax.linen.max_pool")
+def max_pool2d(x, window_shape, strides=None, padding="VALID"):
+    return _flax_linen("max_pool2d").max_pool(x, _pair(window_shape), _pair(strides), padding)
+
+
+@_calls("flax.linen.avg_pool")
+def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True):
+    return _flax_linen("avg_pool2d").avg_pool(x, _pair(window_shape), _pair(strides), padding, count_include_pad)
