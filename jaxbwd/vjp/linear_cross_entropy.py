@@ -118,9 +118,18 @@ def _chunk(cfg, x2, w, j, c, V, acc):
 
 def _xla_partials(cfg, x2, w, lab, V):
     """Per token over this w's V columns: max, sum(exp(z - max)), z[label], sum(z) / n_classes."""
+    return _xla_partials_scan(cfg, x2, w, lab, V, _chunking(x2.shape[0], V)[0])
+
+
+# The XLA formulas run under module-level jits with the configuration and the chunk width
+# static (the width read from ``chunk_size``'s context outside them): their scan bodies are
+# closures made per call, which JAX's scan cache cannot match, so without the jits every
+# eager call retraced and recompiled its scans.
+@functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
+def _xla_partials_scan(cfg, x2, w, lab, V, c):
     acc = B.acc_dtype(x2, w)
     R = x2.shape[0]
-    c, n = _chunking(R, V)
+    n = PC.cdiv(V, c)
 
     def body(carry, j):
         m, s, xl, sx = carry
@@ -146,9 +155,14 @@ def _p_factor(m, s, g, gl):
 
 
 def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
+    return _xla_bwd_scan(cfg, x2, w, lab, m, s, g, gl, V, _chunking(x2.shape[0], V)[0])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
+def _xla_bwd_scan(cfg, x2, w, lab, m, s, g, gl, V, c):
     acc = B.acc_dtype(x2, w)
     R, D = x2.shape
-    c, n = _chunking(R, V)
+    n = PC.cdiv(V, c)
     m0 = PC.finite_or_zero(m)
     a = _p_factor(m, s, g, gl)
     b, cc = (1.0 - cfg.eps) * g, (cfg.eps / cfg.n_classes) * g
@@ -238,13 +252,23 @@ def _lce_tangent(cfg, res, dx2, dw, _):
     tangent ``(dx w + x dw)`` (times 1 - tanh^2 under a softcap), chunk by chunk:
     dlse = sum(p dz), dloss = dlse - (1 - eps) dz[label] - eps mean(dz)."""
     x2, w, glab, m, s = res
-    acc = m.dtype
     R, V = x2.shape[0], cfg.dims(x2, w).V
     lab = _shard_labels(glab, V, cfg.axes)
-    c, n = _chunking(R, V)
+    dlse, dxl, dsx = _xla_tangent_scan(cfg, x2, w, lab, m, s, dx2.astype(x2.dtype), dw.astype(w.dtype), V,
+                                       _chunking(R, V)[0])
+    if cfg.axes:  # each vocabulary shard holds part of each sum
+        dlse, dxl, dsx = (jax.lax.psum(t, cfg.axes) for t in (dlse, dxl, dsx))
+    dloss = dlse - (1.0 - cfg.eps) * dxl - cfg.eps * dsx
+    return jnp.stack([jnp.where(glab >= 0, dloss, 0.0), dlse])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
+def _xla_tangent_scan(cfg, x2, w, lab, m, s, dx2, dw, V, c):
+    acc = m.dtype
+    R = x2.shape[0]
+    n = PC.cdiv(V, c)
     m0 = PC.finite_or_zero(m)
     inv_s = _p_factor(m, s, jnp.ones_like(s), jnp.zeros_like(s))
-    dx2, dw = dx2.astype(x2.dtype), dw.astype(w.dtype)
 
     def body(carry, j):
         dlse, dxl, dsx = carry
@@ -263,10 +287,7 @@ def _lce_tangent(cfg, res, dx2, dw, _):
     zeros = jnp.zeros((R,), acc)
     (dlse, dxl, dsx), _ = jax.lax.scan(body, S.vary_like((zeros, zeros, zeros), x2, w, lab, m, s, dx2, dw),
                                        jnp.arange(n))
-    if cfg.axes:  # each vocabulary shard holds part of each sum
-        dlse, dxl, dsx = (jax.lax.psum(t, cfg.axes) for t in (dlse, dxl, dsx))
-    dloss = dlse - (1.0 - cfg.eps) * dxl - cfg.eps * dsx
-    return jnp.stack([jnp.where(glab >= 0, dloss, 0.0), dlse])
+    return dlse, dxl, dsx
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
