@@ -38,10 +38,16 @@ class Unsupported(ValueError):
     """The option has no counterpart in the library function the baseline calls."""
 
 
-def _calls(name):
-    """Records the library function a baseline calls, for the bench's report."""
+def _calls(name, unsupported=""):
+    """Records the library function a baseline calls (for the bench's report) and gives the
+    baseline its docstring."""
     def deco(fn):
         fn.calls = name
+        fn.__doc__ = (f"Baseline of ``jaxbwd.{fn.__name__}``: ``{name}`` on the inputs as given (no cast). "
+                      "Takes the op's arguments and returns its output (shapes and dtypes as the op's docstring "
+                      "gives). "
+                      + (f"Raises :class:`Unsupported` for {unsupported}." if unsupported else "Raises nothing "
+                         "beyond what the library function raises."))
         return fn
     return deco
 
@@ -87,7 +93,7 @@ def tanh(x):
     return jnp.tanh(x)
 
 
-@_calls("jax.nn.silu(gate) * up")
+@_calls("jax.nn.silu(gate) * up", "a ``limit`` (gpt-oss clamp)")
 def swiglu(gate, up, *, limit=None):
     _refuse("swiglu", "limit", limit, None)
     return jax.nn.silu(gate) * up
@@ -97,7 +103,7 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, appr
                 "gelu_exact": functools.partial(jax.nn.gelu, approximate=False)}
 
 
-@_calls("jax.nn.<activation>(x1) * x2")
+@_calls("jax.nn.<activation>(x1) * x2", "a ``limit``")
 def gated_linear_unit(x, *, activation="silu", limit=None):
     _refuse("gated_linear_unit", "limit", limit, None)
     g, u = jnp.split(x, 2, axis=-1)
@@ -141,7 +147,7 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
     return jnp.where(den == 0, 0, total / jnp.where(den == 0, 1, den)).astype(total.dtype)
 
 
-@_calls("x @ w, then optax.softmax_cross_entropy_with_integer_labels")
+@_calls("x @ w, then optax.softmax_cross_entropy_with_integer_labels", "``return_aux=True``")
 def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_softcap=None,
                          weights=None, reduction="mean", return_aux=False, transpose_w=False):
     _refuse("linear_cross_entropy", "return_aux", return_aux, False)
@@ -152,7 +158,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
                          reduction=reduction, weights=weights)
 
 
-@_calls("jax.nn.dot_product_attention(implementation='xla')")
+@_calls("jax.nn.dot_product_attention(implementation='xla')", "a ``logit_softcap``")
 def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=None, sliding_window=None,
                           logit_softcap=None):
     _refuse("dot_product_attention", "logit_softcap", logit_softcap, None)
@@ -174,14 +180,17 @@ def upsample2d(x, scale, *, method="nearest"):
     return jax.image.resize(x, (N, H * sh, W * sw, C), method=method)
 
 
+def _pair(v):
+    return None if v is None else ((v, v) if isinstance(v, int) else tuple(v))
+
+
 @_calls("lax.conv_general_dilated (as flax.linen.Conv)")
 def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
-    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)
     if isinstance(padding, str):
         pad = padding.upper()
     else:
-        pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in pair(padding))
-    return jax.lax.conv_general_dilated(x, w, window_strides=pair(stride), padding=pad, rhs_dilation=pair(dilation),
+        pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in _pair(padding))
+    return jax.lax.conv_general_dilated(x, w, window_strides=_pair(stride), padding=pad, rhs_dilation=_pair(dilation),
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups)
 
 
@@ -195,7 +204,7 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
     return jnp.mean(sq) if reduction == "mean" else jnp.sum(sq)
 
 
-@_calls("jnp.take (as flax.linen.Embed)")
+@_calls("jnp.take (as flax.linen.Embed)", "a ``padding_idx``")
 def embed(ids, table, *, padding_idx=None):
     _refuse("embed", "padding_idx", padding_idx, None)
     # jnp.take would wrap negative ids; the op gives every id outside [0, V) a zero row
@@ -211,25 +220,25 @@ def _flax_linen(op):
     return nn
 
 
-@_calls("flax.linen.RMSNorm")
+@_calls("flax.linen.RMSNorm", "a ``weight_offset`` other than 0, or without flax")
 def rms_norm(x, weight, *, eps=1e-6, weight_offset=0.0):
     _refuse("rms_norm", "weight_offset", weight_offset, 0.0)
     return _flax_linen("rms_norm").RMSNorm(epsilon=eps).apply({"params": {"scale": weight}}, x)
 
 
-@_calls("flax.linen.LayerNorm")
+@_calls("flax.linen.LayerNorm", "any call without flax installed")
 def layer_norm(x, weight, bias, *, eps=1e-5):
     return _flax_linen("layer_norm").LayerNorm(epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
 
 
-@_calls("flax.linen.GroupNorm, then jax.nn.silu")
+@_calls("flax.linen.GroupNorm, then jax.nn.silu", "any call without flax installed")
 def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None):
     nn = _flax_linen("group_norm")
     y = nn.GroupNorm(num_groups=num_groups, epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
     return jax.nn.silu(y) if activation == "silu" else y
 
 
-@_calls("flax.linen.BatchNorm (training)")
+@_calls("flax.linen.BatchNorm (training)", "any call without flax installed")
 def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
     nn = _flax_linen("batch_norm")
     C = x.shape[axis]
@@ -239,15 +248,11 @@ def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
     return y
 
 
-def _pair(v):
-    return None if v is None else ((v, v) if isinstance(v, int) else tuple(v))
-
-
-@_calls("flax.linen.max_pool")
+@_calls("flax.linen.max_pool", "any call without flax installed")
 def max_pool2d(x, window_shape, strides=None, padding="VALID"):
     return _flax_linen("max_pool2d").max_pool(x, _pair(window_shape), _pair(strides), padding)
 
 
-@_calls("flax.linen.avg_pool")
+@_calls("flax.linen.avg_pool", "any call without flax installed")
 def avg_pool2d(x, window_shape, strides=None, padding="VALID", count_include_pad=True):
     return _flax_linen("avg_pool2d").avg_pool(x, _pair(window_shape), _pair(strides), padding, count_include_pad)
