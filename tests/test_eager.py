@@ -45,3 +45,35 @@ def test_eager_calls_compile_once(spec):
         with _compiles() as count:
             jax.block_until_ready(call())
         assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
+
+
+def test_block_settings_changed_after_a_call_take_effect(monkeypatch):
+    """The cached jits take attention's key block and linear_cross_entropy's chunk width as
+    static arguments read at each call: a setting changed after a call at the same shapes
+    is traced with (a cache keyed without it would run the old blocks)."""
+    import jaxbwd
+    from jaxbwd.vjp import attention as A
+    from jaxbwd.vjp import linear_cross_entropy as L
+
+    seen = []
+
+    def record(fn, arg):
+        def wrapped(*a):
+            seen.append(a[arg])
+            return fn(*a)
+        return wrapped
+
+    q = jnp.ones((1, 64, 2, 16))
+    jaxbwd.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+    monkeypatch.setattr(A, "_xla_blocks", record(A._xla_blocks, 1))
+    monkeypatch.setattr(A, "XLA_BLOCK", 16)
+    jaxbwd.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+    assert seen == [16]
+
+    seen.clear()
+    x, w, lab = jnp.ones((8, 16)), jnp.ones((16, 64)), jnp.zeros((8,), jnp.int32)
+    jaxbwd.linear_cross_entropy(x, w, lab, implementation="xla")
+    monkeypatch.setattr(L, "_chunk", record(L._chunk, 4))
+    with L.chunk_size(16):
+        jaxbwd.linear_cross_entropy(x, w, lab, implementation="xla")
+    assert seen == [16]

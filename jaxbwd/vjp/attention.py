@@ -47,10 +47,10 @@ def _dims(q, k, cfg: _Cfg) -> kernels.Dims:
 
 
 # ------------------------------------------------------------------------------ XLA path
-def _xla_blocks(S: int):
+def _xla_blocks(S: int, block: int):
     if not B.is_static_shape((S,)):  # jax.export with a symbolic key length: one block of S
         return S, 1
-    bk = min(S, XLA_BLOCK)
+    bk = min(S, block)
     nb = -(-S // bk)
     return bk, nb
 
@@ -64,13 +64,13 @@ def _xla_mask(cfg: _Cfg, T, cols, qseg, kseg_j):
     return m[:, None, None]
 
 
-def _xla_prep(q, k, v, kseg, cfg):
+def _xla_prep(q, k, v, kseg, cfg, block):
     """q as [B, K, G, T, H] in the accumulation dtype; k, v, kseg split into key blocks."""
     Bsz, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
     acc = B.acc_dtype(q)
-    bk, nb = _xla_blocks(S)
+    bk, nb = _xla_blocks(S, block)
     pad = nb * bk - S
     qf = q.astype(acc).reshape(Bsz, T, K, G, H).transpose(0, 2, 3, 1, 4)
 
@@ -96,14 +96,15 @@ def _xla_logits(cfg, qf, kj, acc):
     return cfg.softcap * t, t
 
 
-# Module-level jits with the configuration static: the scan bodies below are closures made
-# per call, which JAX's scan cache cannot match, so without them every eager call retraced
-# and recompiled its scan (115-355 ms per eager forward at 2 heads of 32, against 1 ms).
-@functools.partial(jax.jit, static_argnames="cfg")
-def _xla_fwd(q, k, v, qseg, kseg, cfg):
+# Module-level jits with the configuration and the key block (XLA_BLOCK, read by the caller)
+# static: the scan bodies below are closures made per call, which JAX's scan cache cannot
+# match, so without them every eager call retraced and recompiled its scan (115-355 ms per
+# eager forward at 2 heads of 32, against 1 ms).
+@functools.partial(jax.jit, static_argnames=("cfg", "block"))
+def _xla_fwd(q, k, v, qseg, kseg, cfg, block):
     Bsz, T, N, H = q.shape
     S = k.shape[1]
-    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg)
+    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg, block)
     shape = qf.shape[:-1]  # [B, K, G, T]
     # Masked scores and the running max's start are the lowest finite value, not -inf, and
     # masked p is 0 by the mask: the same result, and no inf for jax.debug_infs to flag when
@@ -132,12 +133,12 @@ def _xla_fwd(q, k, v, qseg, kseg, cfg):
     return out, lse.reshape(Bsz, N, T).astype(jnp.float32 if acc == jnp.float32 else acc)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _xla_bwd(q, k, v, qseg, kseg, o, lse, do, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "block"))
+def _xla_bwd(q, k, v, qseg, kseg, o, lse, do, cfg, block):
     Bsz, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg)
+    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg, block)
     dof = do.astype(acc).reshape(Bsz, T, K, G, H).transpose(0, 2, 3, 1, 4)
     of = o.astype(acc).reshape(Bsz, T, K, G, H).transpose(0, 2, 3, 1, 4)
     delta = jnp.sum(of * dof, axis=-1)  # [B, K, G, T]
@@ -168,8 +169,8 @@ def _xla_bwd(q, k, v, qseg, kseg, o, lse, do, cfg):
     return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _xla_tangent(q, k, v, qseg, kseg, o, lse, dq, dk, dv, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "block"))
+def _xla_tangent(q, k, v, qseg, kseg, o, lse, dq, dk, dv, cfg, block):
     """Output tangent from the residuals, blockwise over keys (no T x S array is held).
 
     With P = softmax(S) recomputed from lse and dS the logits' tangent
@@ -180,8 +181,8 @@ def _xla_tangent(q, k, v, qseg, kseg, o, lse, dq, dk, dv, cfg):
     """
     Bsz, T, N, H = q.shape
     S = k.shape[1]
-    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg)
-    dqf, dkb, dvb, _, _, _ = _xla_prep(dq, dk, dv, kseg, cfg)
+    qf, kb, vb, ksb, colsb, acc = _xla_prep(q, k, v, kseg, cfg, block)
+    dqf, dkb, dvb, _, _, _ = _xla_prep(dq, dk, dv, kseg, cfg, block)
     K, G = qf.shape[1], qf.shape[2]
     of = o.astype(acc).reshape(Bsz, T, K, G, H).transpose(0, 2, 3, 1, 4)
     lse = lse.astype(acc).reshape(Bsz, K, G, T)
@@ -219,7 +220,7 @@ def _kernels(cfg: _Cfg):
 
 def _fwd_impl(q, k, v, qseg, kseg, cfg: _Cfg):
     if not cfg.impl.pallas:
-        return _xla_fwd(q, k, v, qseg, kseg, cfg)
+        return _xla_fwd(q, k, v, qseg, kseg, cfg, XLA_BLOCK)
     d = _dims(q, k, cfg)
     o2, lse = _kernels(cfg).attention_fwd(
         q.reshape(d.B * d.T, d.N * d.H), k.reshape(d.B * d.S, d.K * d.H), v.reshape(d.B * d.S, d.K * d.H),
@@ -249,7 +250,7 @@ def _attention_bwd(cfg, res, do):
         )
         dq, dk, dv = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     else:
-        dq, dk, dv = _xla_bwd(q, k, v, qseg, kseg, out, lse, do, cfg)
+        dq, dk, dv = _xla_bwd(q, k, v, qseg, kseg, out, lse, do, cfg, XLA_BLOCK)
     return dq, dk, dv, None, None
 
 
@@ -259,7 +260,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _attention_tangent(cfg, res, dq, dk, dv, dqseg, dkseg):
     q, k, v, qseg, kseg, out, lse = res
     if not cfg.impl.pallas:
-        return _xla_tangent(*res, dq, dk, dv, cfg)
+        return _xla_tangent(*res, dq, dk, dv, cfg, XLA_BLOCK)
     d = _dims(q, k, cfg)
     qv, kv = (d.B * d.T, d.N * d.H), (d.B * d.S, d.K * d.H)
     do = kernels.attention_jvp(
