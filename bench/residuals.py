@@ -2,9 +2,11 @@
 forward keeps for the backward against what autodiff of the library call it replaces keeps
 (``jaxbwd.baselines``) and what autodiff of ``jaxbwd.reference`` (float32 inside) keeps.
 
-Shapes and options are those of ``python -m jaxbwd bench --size llm`` (bf16 where the registry
-gives a dtype); everything is traced on abstract values, so it runs in seconds on a CPU. The
-ratios are autodiff's bytes over jaxbwd's, given where both keep at least 1 KiB.
+Shapes, dtypes and options are those of ``python -m jaxbwd bench --size llm`` (the registry's
+bench entry or first lowering shape; ops with neither, such as glu and matmul, get their
+first test example in float32 there too). Everything is traced on abstract values, so it runs
+in seconds on a CPU. The ratios are autodiff's bytes over jaxbwd's, given where both keep at
+least 1 KiB.
 
     python bench/residuals.py [--ops NAME ...] [--implementation xla|pallas]
 """
@@ -13,28 +15,16 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jaxbwd import bench, registry
+from jaxbwd import bench, config, registry
 
 import _cli  # bench/_cli.py: this script's folder is first on sys.path
-
-
-def llm_inputs(spec):
-    """The bench's ``--size llm`` inputs as ShapeDtypeStructs (its registry entry, else the
-    first lowering shape, else the first test example in bfloat16)."""
-    key = jax.random.PRNGKey(0)
-    for name, ex in spec.bench:
-        if name == "llm":
-            return jax.eval_shape(lambda: ex.make(key, jnp.dtype("bfloat16")))
-    if spec.lowering:
-        return spec.lowering[0].make(key, None)
-    return spec.examples[0].make(key, jnp.dtype("bfloat16"))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=_cli.description(__doc__))
     p.add_argument("--ops", nargs="+", metavar="NAME", help="ops to measure (default: every op)")
     p.add_argument("--implementation", choices=["xla", "pallas"], default="xla",
-                   help="jaxbwd path (default xla; the contract holds both to the same residuals)")
+                   help="jaxbwd path (default xla; pallas is traced in interpret mode off a GPU: nothing runs)")
     args = p.parse_args(argv)
     try:
         specs = registry.ops(args.ops)
@@ -43,10 +33,12 @@ def main(argv=None) -> int:
     size = lambda n: "-" if n is None else bench.format_bytes(n)
     print("| op | inputs | jaxbwd | baseline | autodiff of the baseline | ratio | autodiff of the reference | ratio |")
     print("|---|---|---|---|---|---|---|---|")
+    interpret = jax.default_backend() != "gpu"
     for spec in specs:
-        a, kw = llm_inputs(spec)
+        a, kw = bench.bench_inputs(spec, "llm", jax.random.PRNGKey(0), abstract=True)
         _, name = bench.baseline_fn(spec, a, kw)
-        ours = bench.residual_bytes(spec, None, a, kw, implementation=args.implementation)
+        with config.use(interpret=interpret):
+            ours = bench.residual_bytes(spec, None, a, kw, implementation=args.implementation)
         base = bench.residual_bytes(spec, spec.baseline, a, kw) if name != "jaxbwd.reference" else None
         ref = bench.residual_bytes(spec, spec.reference, a, kw)
         shapes = " ".join("x".join(map(str, x.shape)) + ":" + jnp.dtype(x.dtype).name for x in a if hasattr(x, "shape"))

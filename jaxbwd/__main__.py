@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     pc = sub.add_parser("check", help=text, description=text)
     pc.add_argument("--ops", nargs="*", help=ops_help)
     pc.add_argument("--wide", action="store_true", help=wide_help)
-    text = "time fwd+bwd vs XLA autodiff of the reference; residual and temp memory"
+    text = "time fwd+bwd vs XLA autodiff of the library call each op replaces; residual and temp memory"
     pb = sub.add_parser("bench", help=text, description=text)
     pb.add_argument("--ops", nargs="*", help=ops_help)
     pb.add_argument("--size", choices=["small", "llm"], default=None,
@@ -229,8 +229,8 @@ def main(argv=None) -> int:
                     help="what to time against autodiff: pallas (the compiled kernels; needs a GPU) or xla "
                          "(jaxbwd's XLA backward). Default: pallas on GPU, xla elsewhere")
     pb.add_argument("--mode", choices=["vjp", "jvp"], default="vjp",
-                    help="vjp: forward + backward against jax.grad of the reference (default); jvp: forward + "
-                         "tangent (jax.jvp, jax >= 0.12) against jax.jvp of the reference")
+                    help="vjp: forward + backward against jax.grad of the baseline (default); jvp: forward + "
+                         "tangent (jax.jvp, jax >= 0.12) against jax.jvp of the baseline")
     pb.add_argument("--repeats", type=int, default=10, help="timed runs per op after 2 warm-up runs; the median "
                     "is reported (default 10)")
     pb.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")

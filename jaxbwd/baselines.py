@@ -54,8 +54,10 @@ def _calls(name, unsupported=""):
 
 def _refuse(op, name, value, default):
     """Raises :class:`Unsupported` when option ``name`` is not at its ``default``."""
-    if value is not default and value != default:
-        raise Unsupported(f"baseline of {op}: {name}={value!r} has no counterpart in the library function")
+    if value is default or (default is not None and not hasattr(value, "shape") and value == default):
+        return
+    shown = f"an array of shape {tuple(value.shape)}" if hasattr(value, "shape") else repr(value)
+    raise Unsupported(f"baseline of {op}: {name}={shown} has no counterpart in the library function")
 
 
 @_calls("jax.nn.softmax")
@@ -103,7 +105,7 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, appr
                 "gelu_exact": functools.partial(jax.nn.gelu, approximate=False)}
 
 
-@_calls("jax.nn.<activation>(x1) * x2", "a ``limit``")
+@_calls("jax.nn.silu or jax.nn.gelu of x1, times x2", "a ``limit``")
 def gated_linear_unit(x, *, activation="silu", limit=None):
     _refuse("gated_linear_unit", "limit", limit, None)
     g, u = jnp.split(x, 2, axis=-1)
@@ -120,10 +122,13 @@ def matmul(x, w):
     return jnp.matmul(x, w)
 
 
-@_calls("optax.softmax_cross_entropy_with_integer_labels")
+@_calls("optax.softmax_cross_entropy_with_integer_labels", "a class ``axis`` other than the last, or ``where``")
 def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
-                  weights=None):
+                  axis=-1, where=None, weights=None):
     # ``weights`` serves linear_cross_entropy's per-token weights; the op has none.
+    if axis not in (-1, logits.ndim - 1):
+        _refuse("cross_entropy", "axis", axis, -1)
+    _refuse("cross_entropy", "where", where, None)
     V = logits.shape[-1]
     labels = widen_index(labels)
     valid = (labels >= 0) & (labels < V) & (labels != ignore_index)
@@ -158,19 +163,24 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
                          reduction=reduction, weights=weights)
 
 
-@_calls("jax.nn.dot_product_attention(implementation='xla')", "a ``logit_softcap``")
-def dot_product_attention(q, k, v, *, scale=None, is_causal=False, segment_ids=None, sliding_window=None,
-                          logit_softcap=None):
+@_calls("jax.nn.dot_product_attention(implementation='xla')",
+        "a ``logit_softcap``, or both ``sliding_window`` and ``local_window_size``")
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          segment_ids=None, sliding_window=None, logit_softcap=None):
     _refuse("dot_product_attention", "logit_softcap", logit_softcap, None)
-    mask = None
-    if segment_ids is not None:
+    if segment_ids is not None:  # as a boolean mask, the way jax.nn takes packed sequences
         qs, ks = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-        mask = (qs[:, :, None] == ks[:, None, :])[:, None]
-    window = None
+        same = qs[..., :, None] == ks[..., None, :]  # [B, T, S] or [T, S]
+        same = same[:, None] if same.ndim == 3 else same
+        mask = same if mask is None else mask & same
     if sliding_window is not None:  # jaxbwd's window w sees i - w < j; jax.nn's (left, right) are inclusive
-        window = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
-                                        local_window_size=window, implementation="xla")
+        _refuse("dot_product_attention", "local_window_size (with sliding_window)", local_window_size, None)
+        local_window_size = (sliding_window - 1, 0 if is_causal else sliding_window - 1)
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                                        query_seq_lengths=query_seq_lengths,
+                                        key_value_seq_lengths=key_value_seq_lengths,
+                                        local_window_size=local_window_size, implementation="xla")
 
 
 @_calls("jax.image.resize")
@@ -231,20 +241,26 @@ def layer_norm(x, weight, bias, *, eps=1e-5):
     return _flax_linen("layer_norm").LayerNorm(epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
 
 
-@_calls("flax.linen.GroupNorm, then jax.nn.silu", "any call without flax installed")
+@_calls("flax.linen.GroupNorm (and jax.nn.silu for activation='silu')", "any call without flax installed")
 def group_norm(x, weight, bias, *, num_groups, eps=1e-5, activation=None):
     nn = _flax_linen("group_norm")
     y = nn.GroupNorm(num_groups=num_groups, epsilon=eps).apply({"params": {"scale": weight, "bias": bias}}, x)
     return jax.nn.silu(y) if activation == "silu" else y
 
 
-@_calls("flax.linen.BatchNorm (training)", "any call without flax installed")
-def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
+@_calls("flax.linen.BatchNorm", "any call without flax installed")
+def batch_norm(x, weight, bias, *, running_mean=None, running_var=None, momentum=0.99, eps=1e-5, training=True,
+               axis=-1, axis_name=None):
     nn = _flax_linen("batch_norm")
     C = x.shape[axis]
-    variables = {"params": {"scale": weight, "bias": bias},
-                 "batch_stats": {"mean": jnp.zeros((C,), jnp.float32), "var": jnp.ones((C,), jnp.float32)}}
-    y, _ = nn.BatchNorm(use_running_average=False, axis=axis, epsilon=eps).apply(variables, x, mutable=["batch_stats"])
+    stats = ({"mean": jnp.zeros((C,), jnp.float32), "var": jnp.ones((C,), jnp.float32)} if running_mean is None
+             else {"mean": running_mean, "var": running_var})
+    module = nn.BatchNorm(use_running_average=not training, axis=axis, momentum=momentum, epsilon=eps,
+                          axis_name=axis_name)
+    y, updates = module.apply({"params": {"scale": weight, "bias": bias}, "batch_stats": stats}, x,
+                              mutable=["batch_stats"])
+    if training and running_mean is not None:  # the op's return in that case: y and the new statistics
+        return y, dict(updates["batch_stats"])
     return y
 
 

@@ -1,11 +1,11 @@
 """Benchmarks: ``python -m jaxbwd bench [--ops ...] [--size small|llm] [--mode vjp|jvp] [--json PATH] [--plot PATH]``.
 
-For every op, in one run: forward + backward time of jaxbwd and of ``jax.grad`` of the
-op's plain reference (XLA autodiff), the ratio, achieved bandwidth, residual bytes and
-compiled temporary memory. Timing is the median of repeated runs after warm-up, each
+For every op, in one run: forward + backward time of jaxbwd and of ``jax.grad`` of its
+baseline (XLA autodiff of what a user calls without jaxbwd; below), the ratio, achieved
+bandwidth, residual bytes and compiled temporary memory. Timing is the median of repeated runs after warm-up, each
 ended by ``block_until_ready``. ``--mode jvp`` times forward mode instead: ``jax.jvp`` of
 the op (its fwd rule and tangent rule: the ``attention_jvp`` kernel on the Pallas path)
-against ``jax.jvp`` of the reference (XLA's forward-mode autodiff); bytes moved count the
+against ``jax.jvp`` of the baseline (XLA's forward-mode autodiff); bytes moved count the
 tangents like the inputs, and there are no residuals.
 
 What is counted:
@@ -15,15 +15,16 @@ What is counted:
   device's copy bandwidth measured in the same run (read + write of a 256 MiB buffer).
 - TFLOP/s for ops that declare ``flops`` in the registry (attention counts its backward
   as 2.5x the forward, the FlashAttention-2 convention).
-- ref: what a user computes without jaxbwd, ``jaxbwd.baselines`` (the jax.nn, optax or lax
-  function the op replaces, in the input dtype: ``jax.nn.silu``,
-  ``optax.softmax_cross_entropy_with_integer_labels``, ``jax.nn.dot_product_attention`` with
-  ``implementation="xla"``), each row naming it. Where the library has no such function (RoPE,
-  the norms, dropout) or none for the row's options, the ref is ``jaxbwd.reference``, which
-  computes in float32 and casts back (the norms' statistics, as flax's modules do); the table
-  marks those rows with ``*``. With 16-bit inputs, autodiff of a float32 formula keeps float32
-  values, so its residual bytes and time overstate what 16-bit jnp code costs; the marked rows
-  carry that caveat, the others do not.
+- base: what a user computes without jaxbwd, ``jaxbwd.baselines`` (the jax.nn, optax, lax or
+  flax function the op replaces, on the inputs as given: ``jax.nn.silu``,
+  ``optax.softmax_cross_entropy_with_integer_labels``, ``flax.linen.RMSNorm``,
+  ``jax.nn.dot_product_attention`` with ``implementation="xla"``, not cuDNN), each row naming
+  it (the table's footnote, the JSON's ``baseline``). Where the library has no such function
+  (RoPE, dropout, adaptive pooling; flax's without flax installed) or none for the row's
+  options, the base is ``jaxbwd.reference``, which computes in float32 and casts back; the
+  table marks those rows with ``*``. With 16-bit inputs, autodiff of a float32 formula keeps
+  float32 values, so its residual bytes and time overstate what 16-bit jnp code costs; the
+  marked rows carry that caveat, the others do not.
 - residual bytes = the arrays the forward keeps for the backward (the leaves of the vjp
   closure, inputs included); temp bytes = ``compile().memory_analysis().temp_size_in_bytes``
   of the jitted forward + backward.
@@ -77,20 +78,22 @@ def _materialise(args, key):
     return out
 
 
-def bench_inputs(spec: registry.OpSpec, size: str, key):
+def bench_inputs(spec: registry.OpSpec, size: str, key, abstract: bool = False):
     """Concrete ``(args, kwargs)`` for ``spec`` at ``size`` ("small" or "llm").
 
     The registry's ``bench`` entry for that size when present (bf16); otherwise "llm"
     materialises the first lowering shape (normal floats, zero integers) and "small" uses the
-    first test example in float32.
+    first test example in float32. ``abstract``: the large arrays (a bench entry's, a lowering
+    shape's) as ShapeDtypeStructs instead, nothing allocated.
     """
     for name, ex in spec.bench:
         if name == size:
-            args, kwargs = ex.make(key, jnp.dtype("bfloat16"))
+            make = lambda: ex.make(key, jnp.dtype("bfloat16"))  # noqa: E731
+            args, kwargs = jax.eval_shape(make) if abstract else make()
             return list(args), kwargs
     if size == "llm" and spec.lowering:
         args, kwargs = spec.lowering[0].make(key, None)
-        return _materialise(args, key), kwargs
+        return (list(args) if abstract else _materialise(args, key)), kwargs
     args, kwargs = spec.examples[0].make(key, jnp.dtype("float32"))
     return list(args), kwargs
 
@@ -318,8 +321,8 @@ def format_bytes(n: Optional[int]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The report of :func:`run` as a text table (at most 120 columns) with a title line and
     a key to the columns. Figures have three significant digits, bytes their own unit."""
-    head = ("op", "impl", "ms", "ref ms", "speedup", "GB/s", "%copy", "TFLOP/s",
-            "resid", "ref resid", "temp", "ref temp")
+    head = ("op", "impl", "ms", "base ms", "speedup", "GB/s", "%copy", "TFLOP/s",
+            "resid", "base resid", "temp", "base temp")
     rows = [
         (r["op"] + ("*" if r.get("baseline", "jaxbwd.reference") == "jaxbwd.reference" else ""),
          r["implementation"], _num(r["ms"]), _num(r["ms_autodiff"]), f"{_num(r['speedup'])}x",
@@ -336,15 +339,20 @@ def format_table(report: dict[str, Any]) -> str:
     mode = report.get("mode", "vjp")
     title = (f"jaxbwd bench ({report['size']}{', jvp' if mode == 'jvp' else ''}) on {report['device']} ({report['backend']}), jax {report['jax']}, "
              f"{report['date']}; copy bandwidth {_num(report['copy_gb_s'])} GB/s")
-    key = ("ref = jax.grad of what a user calls without jaxbwd (jaxbwd.baselines: the jax.nn, optax or lax "
-           "function, in the input dtype; --json names it per row); * = no such function for the op or its "
-           "options, ref = jaxbwd.reference, which computes in float32 (with 16-bit inputs its resid and ms "
-           "overstate 16-bit jnp code); ms: forward + backward, median; speedup = ref ms / ms; %copy = GB/s over "
-           "the copy bandwidth; resid: bytes saved for the backward; temp: compiled temporary memory")
+    key = ("base = jax.grad of what a user calls without jaxbwd (jaxbwd.baselines: the jax.nn, optax, lax or "
+           "flax function, on the inputs as given; attention's is jax.nn's XLA implementation); * = no such "
+           "function for the op or its options, base = jaxbwd.reference, which computes in float32 (with 16-bit "
+           "inputs its resid and ms overstate 16-bit jnp code); ms: forward + backward, median (test-sized "
+           "shapes time mostly dispatch); speedup = base ms / ms; %copy = GB/s over the copy bandwidth; resid: "
+           "bytes saved for the backward; temp: compiled temporary memory")
     if mode == "jvp":
-        key = ("ref = jax.jvp of what a user calls without jaxbwd (as above; * = jaxbwd.reference), XLA's "
-               "forward-mode autodiff; ms: forward + tangent, median; speedup = ref ms / ms; %copy = GB/s over the "
-               "copy bandwidth; temp: compiled temporary memory")
+        key = ("base = jax.jvp of what a user calls without jaxbwd (as in vjp mode; * = jaxbwd.reference), XLA's "
+               "forward-mode autodiff; ms: forward + tangent, median; speedup = base ms / ms; %copy = GB/s over "
+               "the copy bandwidth; temp: compiled temporary memory")
+    named = sorted({(r["op"], r.get("baseline", "jaxbwd.reference")) for r in report["rows"]
+                    if r.get("baseline", "jaxbwd.reference") != "jaxbwd.reference"})
+    if named:
+        key += "; baselines: " + "; ".join(f"{op}: {b}" for op, b in named)
     return "\n".join(textwrap.wrap(title, 120) + [line(head), line(["-" * w for w in widths])]
                      + [line(r) for r in rows] + textwrap.wrap(key, 120))
 

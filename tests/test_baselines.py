@@ -3,6 +3,8 @@ gradients equal the reference's in float32 on every registry example they suppor
 every option the bench's inputs use, and they keep 16-bit inputs in 16 bits."""
 from __future__ import annotations
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -79,14 +81,67 @@ def test_baseline_keeps_bfloat16_inputs_in_bfloat16(spec):
             [(x.dtype, x.shape) for x in saved]
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_baseline_takes_every_argument_of_the_op(spec):
+    """An option the library has no counterpart for must raise Unsupported (the bench then
+    falls back), never a TypeError that stops the bench."""
+    op = [p for p in inspect.signature(spec.fn).parameters if p != "implementation"]
+    base = list(inspect.signature(spec.baseline).parameters)
+    assert base[:len(op)] == op, (op, base)
+
+
+def _normal(i, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(i), shape, dtype)
+
+
+_QKV = (_normal(0, (2, 12, 4, 16)), _normal(1, (2, 12, 2, 16)), _normal(2, (2, 12, 2, 16)))
+OPTION_CASES = [
+    ("dot_product_attention", _QKV, {"bias": _normal(3, (2, 1, 12, 12))}),
+    ("dot_product_attention", _QKV, {"mask": _normal(4, (12, 12)) > -1.0, "is_causal": True}),
+    ("dot_product_attention", _QKV, {"query_seq_lengths": jnp.array([12, 7]),
+                                     "key_value_seq_lengths": jnp.array([9, 12])}),
+    ("dot_product_attention", _QKV, {"local_window_size": (3, 1)}),
+    ("dot_product_attention", _QKV, {"sliding_window": 4}),
+    ("dot_product_attention", _QKV, {"segment_ids": (jnp.array([[0] * 6 + [1] * 6] * 2),) * 2}),
+    ("dot_product_attention", tuple(a[0] for a in _QKV), {"segment_ids": jnp.array([0] * 5 + [1] * 7)}),
+    ("batch_norm", (_normal(5, (4, 3, 8)), _normal(6, (8,)), _normal(7, (8,))),
+     {"running_mean": _normal(8, (8,)), "running_var": jnp.exp(_normal(9, (8,))), "momentum": 0.9}),
+    ("batch_norm", (_normal(5, (4, 3, 8)), _normal(6, (8,)), _normal(7, (8,))),
+     {"running_mean": _normal(8, (8,)), "running_var": jnp.exp(_normal(9, (8,))), "training": False}),
+    ("cross_entropy", (_normal(10, (6, 37)), jnp.arange(6)), {"axis": 1}),
+]
+
+
+@pytest.mark.parametrize("name,args,kwargs", OPTION_CASES, ids=[f"{c[0]}-{'-'.join(c[2])}" for c in OPTION_CASES])
+def test_baseline_options_compute_what_the_op_computes(name, args, kwargs):
+    """Options beyond the registry's examples: the baseline against the op's XLA path."""
+    spec = registry.get(name)
+    if spec.baseline.calls.startswith("flax"):
+        pytest.importorskip("flax")
+    _close(spec.baseline(*args, **kwargs), spec.fn(*args, **kwargs, implementation="xla"))
+
+
+def test_options_without_a_counterpart_fall_back_to_the_reference():
+    logits = _normal(11, (6, 37))
+    kwargs = {"where": jnp.ones((6, 37), bool)}
+    spec = registry.get("cross_entropy")
+    with pytest.raises(baselines.Unsupported, match=r"cross_entropy: where=an array of shape \(6, 37\)"):
+        spec.baseline(logits, jnp.arange(6), **kwargs)
+    assert bench.baseline_fn(spec, [logits, jnp.arange(6)], kwargs)[1] == "jaxbwd.reference"
+
+
 def test_a_reference_row_says_so():
-    """Options without a library counterpart (here a softcap) fall back to the reference, named in the row."""
+    """A bench row whose options have no library counterpart (here a softcap) measures the
+    reference, names it, and is marked * in the table."""
+    import dataclasses
+
     spec = registry.get("dot_product_attention")
-    ex = next(e for e in spec.examples if "cap" in e.name)
-    args, kwargs = ex.make(jax.random.PRNGKey(0), jnp.dtype("float32"))
-    assert bench.baseline_fn(spec, list(args), kwargs)[1] == "jaxbwd.reference"
-    row = bench.bench_op(spec, "small", "xla", copy_gb_s=0.0, repeats=1)
-    assert row.baseline == spec.baseline.calls
+    capped = dataclasses.replace(spec, examples=tuple(e for e in spec.examples if "cap" in e.name))
+    row = bench.bench_op(capped, "small", "xla", copy_gb_s=0.0, repeats=1)
+    assert row.baseline == "jaxbwd.reference"
+    plain = bench.bench_op(spec, "small", "xla", copy_gb_s=0.0, repeats=1)
+    assert plain.baseline == spec.baseline.calls
     report = {"size": "small", "device": "cpu", "backend": "cpu", "jax": jax.__version__, "date": "-",
-              "copy_gb_s": 1.0, "rows": [dict(row.__dict__, baseline="jaxbwd.reference")]}
-    assert "dot_product_attention*" in bench.format_table(report)
+              "copy_gb_s": 1.0, "rows": [dataclasses.asdict(row), dataclasses.asdict(plain)]}
+    names = [line.split()[0] for line in bench.format_table(report).splitlines() if "  xla  " in line]
+    assert names == ["dot_product_attention*", "dot_product_attention"]

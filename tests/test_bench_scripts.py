@@ -183,3 +183,10 @@ def test_residuals_rows_name_the_baseline_and_its_bytes():
     assert rows["dot_product_attention"][3].startswith("jax.nn.dot_product_attention")
     assert rows["dot_product_attention"][4].endswith("GiB") and rows["dot_product_attention"][2].endswith("MiB")
     assert rows["rope"][3] == "jaxbwd.reference" and rows["rope"][4] == "-"
+
+
+def test_residuals_of_the_kernel_path_off_a_gpu():
+    """Traced in interpret mode: nothing runs, so no GPU is needed."""
+    r = _run("residuals.py", "--implementation", "pallas", "--ops", "rms_norm")
+    assert r.returncode == 0, r.stderr
+    assert "| rms_norm | 8192x4096:bfloat16 4096:bfloat16 | 64.0 MiB | flax.linen.RMSNorm |" in r.stdout

@@ -94,7 +94,7 @@ def test_bench_table_fits_120_columns_and_has_no_zero_figures():
 def test_bench_jvp_mode_times_forward_mode_against_the_baseline(capsys):
     assert cli.main(["bench", "--mode", "jvp", "--ops", "softmax", "dot_product_attention", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert "(small, jvp)" in out and "ref = jax.jvp of what a user calls without jaxbwd" in out
+    assert "(small, jvp)" in out and "base = jax.jvp of what a user calls without jaxbwd" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("softmax ", "dot_product_attention "))]
     assert [r[0] for r in rows] == ["softmax", "dot_product_attention"]
     for r in rows:  # times and speedup are positive figures; no residual columns in forward mode
