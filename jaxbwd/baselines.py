@@ -1,5 +1,5 @@
-"""What a user computes without jaxbwd: each op as the jax.nn, optax or lax function it
-replaces, in the input dtype, for ``python -m jaxbwd bench`` to time and measure autodiff of.
+"""What a user computes without jaxbwd: each op as the jax.nn, optax, lax or flax function it
+replaces, on the inputs as given, for ``python -m jaxbwd bench`` to time and measure autodiff of.
 
 ``jaxbwd.reference`` computes in float32 and casts back, as the ops do, so that tests compare
 against the exact function; autodiff of it keeps float32 values where ``jax.nn.silu`` on a
@@ -21,7 +21,8 @@ adaptive pooling) or are already plain jnp (reshape, residual_add, bias_add); th
 is their baseline.
 
 ``tests/test_baselines.py`` checks every baseline against the reference in float32, value
-and gradients, on the registry's examples.
+and gradients, on the registry's examples, and against the op on the options the examples
+leave out (attention's bias, mask and lengths; batch_norm's running statistics).
 """
 from __future__ import annotations
 
