@@ -145,3 +145,13 @@ def test_a_reference_row_says_so():
               "copy_gb_s": 1.0, "rows": [dataclasses.asdict(row), dataclasses.asdict(plain)]}
     names = [line.split()[0] for line in bench.format_table(report).splitlines() if "  xla  " in line]
     assert names == ["dot_product_attention*", "dot_product_attention"]
+
+
+def test_without_flax_the_norms_fall_back_to_the_reference(monkeypatch):
+    def missing(op):
+        raise baselines.Unsupported(f"baseline of {op}: flax is not installed")
+
+    monkeypatch.setattr(baselines, "_flax_linen", missing)
+    spec = registry.get("rms_norm")
+    args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
+    assert bench.baseline_fn(spec, list(args), kwargs) == (spec.reference, "jaxbwd.reference")
