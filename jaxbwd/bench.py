@@ -2,8 +2,8 @@
 
 For every op, in one run: forward + backward time of jaxbwd and of ``jax.grad`` of its
 baseline (XLA autodiff of what a user calls without jaxbwd; below), the ratio, achieved
-bandwidth, residual bytes and compiled temporary memory. Timing is the median of repeated runs after warm-up, each
-ended by ``block_until_ready``. ``--mode jvp`` times forward mode instead: ``jax.jvp`` of
+bandwidth, residual bytes and compiled temporary memory. Timing is the median of repeated
+runs after warm-up, each ended by ``block_until_ready``. ``--mode jvp`` times forward mode instead: ``jax.jvp`` of
 the op (its fwd rule and tangent rule: the ``attention_jvp`` kernel on the Pallas path)
 against ``jax.jvp`` of the baseline (XLA's forward-mode autodiff); bytes moved count the
 tangents like the inputs, and there are no residuals.

@@ -116,17 +116,13 @@ def _chunk(cfg, x2, w, j, c, V, acc):
     return start, cols, fresh, wc, z, t
 
 
-def _xla_partials(cfg, x2, w, lab, V):
-    """Per token over this w's V columns: max, sum(exp(z - max)), z[label], sum(z) / n_classes."""
-    return _xla_partials_scan(cfg, x2, w, lab, V, _chunking(x2.shape[0], V)[0])
-
-
-# The XLA formulas run under module-level jits with the configuration and the chunk width
-# static (the width read from ``chunk_size``'s context outside them): their scan bodies are
-# closures made per call, which JAX's scan cache cannot match, so without the jits every
+# The XLA formulas run under module-level jits with the configuration and the chunk width c
+# static (the callers read c from ``chunk_size``'s context, outside them): their scan bodies
+# are closures made per call, which JAX's scan cache cannot match, so without the jits every
 # eager call retraced and recompiled its scans.
 @functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
-def _xla_partials_scan(cfg, x2, w, lab, V, c):
+def _xla_partials(cfg, x2, w, lab, V, c):
+    """Per token over this w's V columns: max, sum(exp(z - max)), z[label], sum(z) / n_classes."""
     acc = B.acc_dtype(x2, w)
     R = x2.shape[0]
     n = PC.cdiv(V, c)
@@ -154,12 +150,8 @@ def _p_factor(m, s, g, gl):
     return (g + gl) * jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
 
 
-def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V):
-    return _xla_bwd_scan(cfg, x2, w, lab, m, s, g, gl, V, _chunking(x2.shape[0], V)[0])
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
-def _xla_bwd_scan(cfg, x2, w, lab, m, s, g, gl, V, c):
+def _xla_bwd(cfg, x2, w, lab, m, s, g, gl, V, c):
     acc = B.acc_dtype(x2, w)
     R, D = x2.shape
     n = PC.cdiv(V, c)
@@ -217,7 +209,7 @@ def _lce_fwd(x2, w, lab, cfg):
         parts = kernels.linear_cross_entropy_fwd(x2, w, local, d, with_sum=bool(cfg.eps), interpret=cfg.impl.interpret)
         m, s, xl, sx = kernels.combine_splits(*parts)
     else:
-        m, s, xl, sx = _xla_partials(cfg, x2, w, local, d.V)
+        m, s, xl, sx = _xla_partials(cfg, x2, w, local, d.V, _chunking(d.R, d.V)[0])
     if cfg.axes:  # vocab-parallel: the shards' partials combine as the splits' do
         # The global max is a shift that cancels in the loss: no derivative through pmax.
         pmax = lambda v: jax.lax.stop_gradient(jax.lax.pmax(jax.lax.stop_gradient(v), cfg.axes))  # noqa: E731
@@ -241,7 +233,7 @@ def _lce_bwd(cfg, res, ct):
     if cfg.impl.pallas:
         dx, dw = kernels.linear_cross_entropy_bwd(x2, w, lab, m, s, g, gl, d, interpret=cfg.impl.interpret)
     else:
-        dx, dw = _xla_bwd(cfg, x2, w, lab, m, s, g, gl, d.V)
+        dx, dw = _xla_bwd(cfg, x2, w, lab, m, s, g, gl, d.V, _chunking(d.R, d.V)[0])
     # Under vocab-parallel sharding dx is this shard's partial: shard_map's transpose sums
     # the partials of x, an operand replicated over the vocabulary axes.
     return dx.astype(x2.dtype), dw.astype(w.dtype), None
@@ -254,8 +246,8 @@ def _lce_tangent(cfg, res, dx2, dw, _):
     x2, w, glab, m, s = res
     R, V = x2.shape[0], cfg.dims(x2, w).V
     lab = _shard_labels(glab, V, cfg.axes)
-    dlse, dxl, dsx = _xla_tangent_scan(cfg, x2, w, lab, m, s, dx2.astype(x2.dtype), dw.astype(w.dtype), V,
-                                       _chunking(R, V)[0])
+    dlse, dxl, dsx = _xla_tangent(cfg, x2, w, lab, m, s, dx2.astype(x2.dtype), dw.astype(w.dtype), V,
+                                  _chunking(R, V)[0])
     if cfg.axes:  # each vocabulary shard holds part of each sum
         dlse, dxl, dsx = (jax.lax.psum(t, cfg.axes) for t in (dlse, dxl, dsx))
     dloss = dlse - (1.0 - cfg.eps) * dxl - cfg.eps * dsx
@@ -263,7 +255,7 @@ def _lce_tangent(cfg, res, dx2, dw, _):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "V", "c"))
-def _xla_tangent_scan(cfg, x2, w, lab, m, s, dx2, dw, V, c):
+def _xla_tangent(cfg, x2, w, lab, m, s, dx2, dw, V, c):
     acc = m.dtype
     R = x2.shape[0]
     n = PC.cdiv(V, c)
