@@ -95,6 +95,15 @@ def test_grads_match_reference(case, impl):
     _check(impl, **CASES[case])
 
 
+@pytest.mark.parametrize("case", ["causal", "gqa8:1-causal", "T13-S29", "segments-unsorted", "window4", "softcap2-all"])
+def test_dkdv_keys_first(case):
+    # dk/dv computing the transposed tiles S^T = K Q^T (the table's keys_first, chosen per
+    # architecture and head dim): masks, segment ids, GQA groups and tails on the transpose.
+    with _tuning.use({_tuning.arch(): {"attention_bwd_dkdv": {"keys_first": True}}}):
+        assert PA._config(PA.Dims(1, 8, 8, 1, 1, 16, 1.0, False, None, None, False), "dkdv").keys_first
+        _check("pallas", **CASES[case])
+
+
 def test_segment_block_bounds_skip_other_documents():
     seg = jnp.array([[0] * 8 + [1] * 8 + [2] * 4], jnp.int32)  # 20 tokens, blocks of 8
     bounds = PA.segment_block_bounds(seg, seg, 8, 8)
@@ -187,11 +196,13 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
 
 
 @pytest.mark.parametrize("H,dtype,arch", [(256, "bfloat16", "sm_90"), (256, "float32", "sm_90"), (80, "float32", "sm_90"),
-                                          (64, "float32", "sm_90"), (80, "float32", "sm_80"), (64, "bfloat16", "sm_80")])
+                                          (64, "float32", "sm_90"), (80, "float32", "sm_80"), (64, "bfloat16", "sm_80"),
+                                          (256, "float32", "sm_80")])
 def test_tuning_tables_own_tiles(H, dtype, arch, monkeypatch):
     # The table's own tiles for one architecture (interpret mode: no block override), which
     # differ per kernel and between the two sides of dk/dv (e.g. 16 query x 64 key rows in
-    # f32, 128 x 32 in the f32 forward and dq): a window and softcap over several blocks with
+    # f32, 128 x 32 in the f32 forward and dq; S^T = K Q^T in f32 dk/dv at head dims 64
+    # and 256 on sm_90, and 256 on sm_80): a window and softcap over several blocks with
     # ragged tails, forward, grads and jvp.
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     kw = dict(is_causal=True, sliding_window=96, logit_softcap=30.0)

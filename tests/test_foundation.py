@@ -101,6 +101,7 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         ({"sm_90": {key: {"block_m": -64}}}, ValueError, r"block_m must be a power of two, got -64"),
         ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be a power of two, got 48"),
         ({"sm_90": {key: {"num_stages": 0}}}, ValueError, r"num_stages must be an int >= 1, got 0"),
+        ({"sm_90": {key: {"keys_first": 1}}}, ValueError, r"keys_first must be true or false, got 1"),
         ({"sm_90": {"atention_fwd/h64/16bit": {"block_m": 64}}}, ValueError,
          r"sm_90: no kernel 'atention_fwd/h64/16bit' in the table \(kernels: \[.*'attention_fwd'"),
         ({"sm_70": {key: {"block_m": 64}}}, ValueError, r"architecture must be one of"),
@@ -114,6 +115,9 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
     with _tuning.use({"sm_90": {key: {"block_m": 32, "num_stages": 3}}}):  # a good one still applies
         assert (_tuning.get(key).block_m, _tuning.get(key).num_stages) == (32, 3)
     assert _tuning.get(key) == before
+    with _tuning.use({"sm_90": {"attention_bwd_dkdv/h64/f32": {"keys_first": False}}}):
+        assert not _tuning.get("attention_bwd_dkdv/h64/f32").keys_first
+    assert _tuning.get("attention_bwd_dkdv/h64/f32").keys_first
     # From a file: the file is named, and JSON that does not parse is a ValueError too.
     bad = tmp_path / "tuning.json"
     bad.write_text("{bad json")

@@ -40,7 +40,9 @@ class Config:
 
     ``block_m``/``block_n``/``block_k``: the tile of the kernel's main product or loop
     (each kernel's docstring says which dimension is which); ``num_warps``/``num_stages``:
-    Triton's; ``blocks_per_sm``: resident blocks per SM of the compiled kernel.
+    Triton's; ``blocks_per_sm``: resident blocks per SM of the compiled kernel;
+    ``keys_first`` (attention dk/dv only): the score tile is computed transposed,
+    S^T = K Q^T, so that the key block is the M dimension of all four of its dots.
     """
 
     block_m: int = 0
@@ -49,6 +51,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     blocks_per_sm: int = 1
+    keys_first: bool = False
 
 
 _ = Config
@@ -138,7 +141,10 @@ TABLE: dict[str, dict[str, Config]] = {
         # dv). No spills at 160-250 registers.
         "attention_fwd/h64/f32": _(128, 32, num_warps=8, num_stages=2),
         "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
-        "attention_bwd_dkdv/h64/f32": _(16, 64, num_warps=4, num_stages=1),
+        # At head_dim 64 dk/dv computes S^T = K Q^T (keys_first): every dot is wgmma on its 64
+        # key rows, 32 query rows per step, 227 registers, no spills (16 x 64 with S's M = 16
+        # on mma.sync before: main loop 90.1 -> 54.2 instructions per S element).
+        "attention_bwd_dkdv/h64/f32": _(32, 64, num_warps=4, num_stages=1, keys_first=True),
         "attention_bwd_dq/h128/f32": _(128, 32, num_warps=8, num_stages=1),
         "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         # The f32 tangent pass at head_dim 80-128: 64 x 32 spilled 24 B; 16-key blocks on 8
@@ -156,11 +162,14 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_bwd_dkdv/h256/16bit": _(32, 64, num_warps=8, num_stages=1),
         # f32 at head_dim 256 (TF32): the forward's 64 x 32 tiles spilled 352 B; 32 x 32 on one
         # warpgroup does not (mma.sync: M = 32). dk/dv holds two [block_k, 256] f32
-        # accumulators and f32 K/V tiles: 16 key rows on 8 warps is the first tile without
-        # spills (1912 B at 32 x 32, 408 B at 16 x 32 on 4 warps, 8 B on 8), at the price of
-        # reading Q and dO once per 16 keys.
+        # accumulators and f32 K/V tiles. Computing S = Q K^T, 16 x 16 on 8 warps was the
+        # first tile without spills (1912 B at 32 x 32); computing S^T = K Q^T (keys_first),
+        # 32 x 32 is: 253 registers, main loop 988 -> 290 instructions per S element, Q and dO
+        # read once per 32 keys instead of 16. Still mma.sync: every tile with 64 key rows
+        # (wgmma's M) spilled 376-1600 B (K and V held in registers as wgmma's A operand:
+        # inferred from the counts, not read from the SASS).
         "attention_fwd/h256/f32": _(32, 32, num_warps=4, num_stages=2),
-        "attention_bwd_dkdv/h256/f32": _(16, 16, num_warps=8, num_stages=1),
+        "attention_bwd_dkdv/h256/f32": _(32, 32, num_warps=8, num_stages=1, keys_first=True),
         # The tangent pass at head_dim 256 (twice the tiles): 64 x 32 needed 299 KB of shared
         # memory in f32 (over the limit: jax.jvp failed to compile) and spilled 224 B in
         # 16-bit on 8 warps. With two stages (the loads are pipelined through shared memory
@@ -211,8 +220,10 @@ TABLE: dict[str, dict[str, Config]] = {
         # and 56 B (16-bit); these compile without spills at 192-255 registers.
         "attention_jvp/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         "attention_jvp/h128/16bit": _(32, 64, num_warps=8, num_stages=1),
-        # f32 at head_dim 256: no spills at 16 x 16 on 8 warps (1952 B at 32 x 32).
-        "attention_bwd_dkdv/h256/f32": _(16, 16, num_warps=8, num_stages=1),
+        # f32 at head_dim 256: S^T = K Q^T (keys_first) on 32 key x 16 query rows, 8 warps:
+        # 241 registers, no spills, 984 -> 487 main-loop instructions per S element (16 x 16
+        # without keys_first before; 1952 B of spills at 32 x 32).
+        "attention_bwd_dkdv/h256/f32": _(16, 32, num_warps=8, num_stages=1, keys_first=True),
         # The tangent pass at head_dim 256: 16-bit no spills; f32 (270 KB of shared memory at
         # 64 x 32: over A100's 164 KB, jax.jvp failed to compile) 16 x 16 on 8 warps with two
         # stages, 191 registers, no spills (128 B with one stage; 72 B on 4 warps).
@@ -275,7 +286,7 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
     """``{arch: {key: {field: value}}}`` checked: known architectures, keys whose kernel (the
     part before the first "/") has an entry for that architecture (a misspelt one would be
     ignored), known fields, and positive ints (powers of two for block sizes and warps, as
-    Triton's tiles and launches need). Raises TypeError/ValueError naming ``where``."""
+    Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises TypeError/ValueError naming ``where``."""
     def mapping(value, what):
         if not isinstance(value, Mapping):
             raise TypeError(f"{where}: {what} must be a mapping (a JSON object), got {type(value).__name__}: "
@@ -283,6 +294,7 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
         return value
 
     fields = {f.name for f in dataclasses.fields(Config)}
+    flags = {f.name for f in dataclasses.fields(Config) if f.type in (bool, "bool")}
     out: dict[str, dict[str, dict]] = {}
     for a, entries in mapping(data, "the overrides").items():
         if a not in TABLE:
@@ -295,6 +307,10 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
             if bad:
                 raise ValueError(f"{where}: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
             for name, v in vals.items():
+                if name in flags:
+                    if not isinstance(v, bool):
+                        raise ValueError(f"{where}: {a} {key}: {name} must be true or false, got {v!r}")
+                    continue
                 pow2 = name.startswith("block_") or name == "num_warps"
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
                     want = "a power of two" if pow2 else "an int >= 1"

@@ -13,7 +13,10 @@ split into two kernels so that nothing is accumulated with atomics):
 - ``attention_bwd_dkdv``: one program per (key block, b*K + kv head). It loops over the
   G = N/K query heads of its kv group and over their query blocks, recomputes
   ``P = exp(S - lse)`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in f32, so GQA
-  gradients come out with K heads directly.
+  gradients come out with K heads directly. Where the tuning table says ``keys_first`` it
+  computes the transposed tiles ``S^T = K Q^T`` and ``dP^T = V dO^T`` instead, so that the
+  key block is the M dimension of all four dots (f32 on sm_90: wgmma for every dot at
+  head_dim 64, and the registers for 32 x 32 tiles at 256).
 - ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
 
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
@@ -106,7 +109,8 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     replica either (255 registers at head_dim 128, no spills). f32 (TF32) takes its own
     tiles where the 16-bit ones spilled: on sm_90 128 query rows on 8 warps with 32-key
     blocks for dq (and the forward at head_dim 64), and 16 query rows against 64 key rows
-    for dk/dv, one stage. The table is ``_tuning``'s.
+    for dk/dv, one stage (dk/dv computing S^T = K Q^T at head_dims 64 and 256, the
+    table's ``keys_first``). The table is ``_tuning``'s.
     """
     cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
@@ -202,11 +206,12 @@ def position_mask(m, r, c, causal: bool, window):
     return m
 
 
-def _mask(d: Dims, rows, cols, qseg, kseg):
-    r, c = rows[:, None], cols[None, :]
+def _mask(d: Dims, rows, cols, qseg, kseg, keys_first: bool = False):
+    """The mask of a [rows, cols] score tile, or of its transpose [cols, rows] with ``keys_first``."""
+    r, c = (rows[None, :], cols[:, None]) if keys_first else (rows[:, None], cols[None, :])
     m = position_mask((r < d.T) & (c < d.S), r, c, d.causal, d.window)
     if qseg is not None:
-        m = m & (qseg[:, None] == kseg[None, :])
+        m = m & ((qseg[None, :] == kseg[:, None]) if keys_first else (qseg[:, None] == kseg[None, :]))
     return m
 
 
@@ -325,21 +330,23 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
 
 
 # --------------------------------------------------------------------------- backward
-def _p_ds(d: Dims, q, k, v, do, lse, delta, mask):
+def _p_ds(d: Dims, q, k, v, do, lse, delta, mask, keys_first: bool = False):
     """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile;
-    ``mask`` None for a block that needs none."""
-    s, dt = _logits(d, q, k)
-    p = C.exp2(s - (lse * C.LOG2E)[:, None])
+    ``mask`` None for a block that needs none. With ``keys_first`` their transposes P^T and
+    dS^T ([keys, queries]), from S^T = K Q^T and dP^T = V dO^T computed as such."""
+    row = (lambda x: x[None, :]) if keys_first else (lambda x: x[:, None])
+    s, dt = _logits(d, k, q) if keys_first else _logits(d, q, k)
+    p = C.exp2(s - row(lse * C.LOG2E))
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = C.dot(do, v, trans_b=True)
-    ds = p * (dp - delta[:, None])
+    dp = C.dot(v, do, trans_b=True) if keys_first else C.dot(do, v, trans_b=True)
+    ds = p * (dp - row(delta))
     if dt is not None:
         ds = ds * dt
     return p, ds
 
 
-def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
+def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool):
     if d.segments:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dk_ref, dv_ref = refs
     else:
@@ -367,10 +374,10 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int):
             mask = None
             if masked:
                 qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
-                mask = _mask(d, rows, cols, qs, ks)
-            p, ds = _p_ds(d, q, k, v, do, lse, delta, mask)
-            dv = dv + C.dot(p.astype(do.dtype), do, trans_a=True)
-            dk = dk + C.dot(ds.astype(q.dtype), q, trans_a=True)
+                mask = _mask(d, rows, cols, qs, ks, keys_first)
+            p, ds = _p_ds(d, q, k, v, do, lse, delta, mask, keys_first)
+            dv = dv + C.dot(p.astype(do.dtype), do, trans_a=not keys_first)
+            dk = dk + C.dot(ds.astype(q.dtype), q, trans_a=not keys_first)
             return dk, dv
 
         # Always masked: a second, unmasked copy of this loop body (the blocks below the
@@ -433,7 +440,7 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
     nbytes = C.nbytes(*base)
     dkdv = C.call(
-        functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dkdv",
+        functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk, keys_first=cfg.keys_first), name="attention_bwd_dkdv",
         grid=(C.cdiv(d.S, bk), d.B * d.K),
         out_shape=[jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)],
         interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
