@@ -143,7 +143,8 @@ def _compile(args) -> int:
         return 2
     gpus = list(dict.fromkeys(g.strip() for g in args.gpu.split(",")))  # repeats compile once
     dtypes = list(dict.fromkeys(_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",")))
-    cases = deviceless.cases(args.ops, dtypes=dtypes, gpus=gpus)
+    precisions = list(dict.fromkeys(None if p.strip() == "default" else p.strip() for p in args.precision.split(",")))
+    cases = deviceless.cases(args.ops, dtypes=dtypes, gpus=gpus, precisions=precisions)
     if not cases:
         print("error: no Pallas kernels among the ops asked for", file=sys.stderr)
         return 2
@@ -249,6 +250,9 @@ def main(argv=None) -> int:
                          "(default: h200)")
     pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16 "
                                                         "(default: f32,bf16)")
+    pg.add_argument("--precision", default="default",
+                    help="jax.default_matmul_precision for the f32 cases, comma-separated: default (TF32 dots), "
+                         "highest (3xTF32; cases named highest:...) (default: default)")
     pg.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed "
                                                            "(default: 900)")
@@ -320,6 +324,11 @@ def _bad_arguments(args):
         bad = [d for d in args.dtype.split(",") if d.strip() not in set(_DTYPES) | set(_DTYPES.values())]
         if bad:
             return f"unknown --dtype {', '.join(bad)}; known: {', '.join(_DTYPES)}"
+        from jaxbwd.deviceless import PRECISIONS
+
+        bad = [p for p in args.precision.split(",") if p.strip() not in ("default",) + PRECISIONS]
+        if bad:
+            return f"unknown --precision {', '.join(bad)}; known: default, {', '.join(PRECISIONS)}"
     if getattr(args, "baseline", None):
         problem = _read_baseline(args)
         if problem:

@@ -193,7 +193,9 @@ class Case:
 
     ``mode`` "vjp" compiles the forward and the backward (the op's ``kernels``); "jvp" the
     forward and the tangent pass of ``jax.jvp`` (its ``jvp_kernels``), whose shape name
-    starts with ``jvp:``.
+    starts with ``jvp:``. ``precision`` (f32 only), when set, is the
+    ``jax.default_matmul_precision`` the case is traced under, and its shape name starts with
+    it: ``highest:`` compiles the f32 dots as 3xTF32 (``_common.dot``).
     """
 
     op: str
@@ -202,6 +204,7 @@ class Case:
     dtype: str
     gpu: str
     mode: str = "vjp"
+    precision: Optional[str] = None
 
     @property
     def id(self) -> str:
@@ -224,13 +227,23 @@ def _shape_name(name: str) -> str:
     return re.sub(r"-?(bf16|f32|f16|bfloat16|float32|float16)(?=-|$)", "", name).strip("-") or name
 
 
-def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
-          gpus: Sequence[str] = ("h200",)) -> list[Case]:
-    """Every (op, lowering example, dtype, gpu) to compile, from the registry: the forward
-    and backward of each, and the forward and tangent pass of ops with ``jvp_kernels``.
+# jax.default_matmul_precision values a case may be compiled under (besides the default).
+PRECISIONS = ("highest",)
 
-    Examples that differ only in dtype collapse into one case per dtype.
+
+def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
+          gpus: Sequence[str] = ("h200",), precisions: Sequence[Optional[str]] = (None,)) -> list[Case]:
+    """Every (op, lowering example, dtype, gpu) to compile, from the registry: the forward
+    and backward of each, and the forward and tangent pass of ops with ``jvp_kernels``;
+    f32 cases once per ``precisions`` entry (``None``: the default, TF32 dots; ``"highest"``:
+    3xTF32), 16-bit ones once.
+
+    Examples that differ only in dtype collapse into one case per dtype. Raises ValueError
+    for a precision not in ``PRECISIONS``.
     """
+    bad = [p for p in precisions if p is not None and p not in PRECISIONS]
+    if bad:
+        raise ValueError(f"jaxbwd compile: unknown precision {bad[0]!r}; known: default, {', '.join(PRECISIONS)}")
     from jaxbwd import registry
 
     out, seen = [], set()
@@ -247,10 +260,12 @@ def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
             if any(c.op == spec.name and c.shape_name == name for c in out):  # same shapes, other params
                 name += "-" + ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
             for dt in dtypes:
-                for g in gpus:
-                    out.append(Case(spec.name, i, name, dt, g))
-                    if spec.jvp_kernels:
-                        out.append(Case(spec.name, i, f"jvp:{name}", dt, g, mode="jvp"))
+                for p in (precisions if dt == "float32" else (None,)):
+                    at = f"{p}:" if p else ""
+                    for g in gpus:
+                        out.append(Case(spec.name, i, at + name, dt, g, precision=p))
+                        if spec.jvp_kernels:
+                            out.append(Case(spec.name, i, f"{at}jvp:{name}", dt, g, mode="jvp", precision=p))
     return out
 
 
@@ -689,6 +704,13 @@ def compile_case(case: Case, workdir: str) -> list[dict[str, Any]]:
     import jax
 
     target = GPUS[case.gpu]
+    with jax.default_matmul_precision(case.precision) if case.precision else contextlib.nullcontext():
+        return _compile_case(case, workdir, target)
+
+
+def _compile_case(case: Case, workdir: str, target: GpuTarget) -> list[dict[str, Any]]:
+    import jax
+
     fn, arrays, op_min_bytes = _case_function(case)
     cache = os.path.join(workdir, re.sub(r"[^A-Za-z0-9_.-]", "_", case.id) + f".{time.monotonic_ns()}.kcache")
     mosaic_dir = os.path.join(workdir, "mosaic")

@@ -195,16 +195,23 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
     _check("pallas", 1, 70, 70, 2, 1, H, dtype="bfloat16", blocks=blocks, is_causal=True)
 
 
-@pytest.mark.parametrize("H,dtype,arch", [(256, "bfloat16", "sm_90"), (256, "float32", "sm_90"), (80, "float32", "sm_90"),
-                                          (64, "float32", "sm_90"), (80, "float32", "sm_80"), (64, "bfloat16", "sm_80"),
-                                          (256, "float32", "sm_80")])
-def test_tuning_tables_own_tiles(H, dtype, arch, monkeypatch):
+@pytest.mark.parametrize("H,dtype,arch,precision", [
+    (256, "bfloat16", "sm_90", None), (256, "float32", "sm_90", None), (80, "float32", "sm_90", None),
+    (64, "float32", "sm_90", None), (80, "float32", "sm_80", None), (64, "bfloat16", "sm_80", None),
+    (256, "float32", "sm_80", None), (128, "float32", "sm_90", "highest"), (256, "float32", "sm_80", "highest"),
+    (64, "float32", "sm_80", "highest")])
+def test_tuning_tables_own_tiles(H, dtype, arch, precision, monkeypatch):
     # The table's own tiles for one architecture (interpret mode: no block override), which
     # differ per kernel and between the two sides of dk/dv (e.g. 16 query x 64 key rows in
     # f32, 128 x 32 in the f32 forward and dq; S^T = K Q^T in f32 dk/dv at head dims 64
-    # and 256 on sm_90, and 256 on sm_80): a window and softcap over several blocks with
-    # ragged tails, forward, grads and jvp.
+    # and 256 on sm_90, and 256 on sm_80; under "highest", the 3xTF32 tiles): a window and
+    # softcap over several blocks with ragged tails, forward, grads and jvp.
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        _check_window_softcap_tangent(H, dtype)
+
+
+def _check_window_softcap_tangent(H, dtype):
     kw = dict(is_causal=True, sliding_window=96, logit_softcap=30.0)
     _check("pallas", 1, 200, 200, 2, 1, H, dtype=dtype, blocks=None, **kw)
     if not FORWARD_MODE:
@@ -217,6 +224,20 @@ def test_tuning_tables_own_tiles(H, dtype, arch, monkeypatch):
     g = lambda q, k, v: ref.dot_product_attention(q, k, v, **kw)
     _, want_t = jax.jvp(g, tuple(map(f32, (q, k, v))), tuple(map(f32, (dq, dk, dv))))
     _close(tangent, want_t, TOL[dtype])
+
+
+def test_3xtf32_takes_its_own_tiles():
+    # Under "highest" the f32 kernels take the table's "/x3" entries where it has them, else
+    # the f32 tiles capped at 64 x 32; 16-bit inputs are not affected (sm_90, no GPU here).
+    att = lambda kind, H, dtype: _tuning.attention(kind, H, dtype, 4096, 4096)
+    tiles = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages, c.keys_first)
+    with jax.default_matmul_precision("highest"):
+        assert tiles(att("attention_fwd", 256, jnp.float32)) == (16, 32, 8, 1, False)
+        assert tiles(att("attention_bwd_dkdv", 256, jnp.float32)) == (16, 16, 8, 1, False)
+        assert tiles(att("attention_bwd_dq", 64, jnp.float32))[:2] == (64, 32)  # 128 x 32, capped
+        bf16 = tiles(att("attention_fwd", 128, jnp.bfloat16))
+    assert bf16 == tiles(att("attention_fwd", 128, jnp.bfloat16))
+    assert tiles(att("attention_bwd_dkdv", 256, jnp.float32)) == (32, 32, 8, 1, True)
 
 
 def test_non_causal_key_tail_is_masked_only_in_the_last_block():

@@ -186,6 +186,7 @@ def test_every_option_has_help_text(program, monkeypatch):
     (["bench", "--ops", "silu", "--json", "/nonexistent-dir/x.json"],
      "--json /nonexistent-dir/x.json: its folder does not exist"),
     (["compile", "--ops", "silu", "--dtype", "f64"], "unknown --dtype f64; known: f32, bf16, f16"),
+    (["compile", "--ops", "silu", "--precision", "default,fast"], "unknown --precision fast; known: default, highest"),
     (["compile", "--ops", "silu", "--jobs", "0"], "--jobs must be >= 1, got 0"),
     (["compile", "--ops", "silu", "--timeout", "-5"], "--timeout must be a finite number of seconds > 0, got -5.0"),
     (["compile", "--ops", "silu", "--timeout", "nan"], "--timeout must be a finite number of seconds > 0, got nan"),
@@ -193,7 +194,8 @@ def test_every_option_has_help_text(program, monkeypatch):
     (["compile", "--ops", "silu", "--baseline", "/nonexistent-dir/b.json"],
      "--baseline /nonexistent-dir/b.json: no such file"),
     (["bench", "--ops", "silu", "--json", "/"], "--json /: is a folder, not a file"),
-], ids=["repeats", "json-folder", "dtype", "jobs", "timeout", "timeout-nan", "timeout-inf", "baseline", "json-is-folder"])
+], ids=["repeats", "json-folder", "dtype", "precision", "jobs", "timeout", "timeout-nan", "timeout-inf", "baseline",
+        "json-is-folder"])
 def test_bad_arguments_are_one_line_before_any_work(argv, message, capsys):
     """Checked before anything runs: a report lost to an unwritable path after a long
     compile is worse than an early error."""

@@ -15,10 +15,18 @@ import pytest
 from jaxbwd import deviceless, registry
 
 KERNEL_OPS = [s.name for s in registry.ops() if s.has_kernels]
+X256 = "1x4096x16:8x256-causal-window-softcap"
 # Kernels allowed a stack (bytes per thread), keyed (kernel, dtype, gpu[, case]); any other
-# kernel that spills, or one of these that spills more, fails the gate. Empty since rope_bwd
-# took its sin/cos off libdevice (whose Payne-Hanek buffer was the last 32-byte stack).
-KNOWN_SPILLS: dict[tuple[str, ...], int] = {}
+# kernel that spills, or one of these that spills more, fails the gate. At the default
+# precision there are none since rope_bwd took its sin/cos off libdevice.
+KNOWN_SPILLS: dict[tuple[str, ...], int] = {
+    # f32 attention at head_dim 256 under 3xTF32: the fewest bytes of any tile compiled (see
+    # _tuning._ATTENTION_X3; before those tiles: 632-1576 B on H200, no compile on A100).
+    **{(k, "float32", g, "highest:" + c): n for k, g, c, n in (
+        ("attention_bwd_dq", "h200", X256, 24), ("attention_bwd_dq", "a100", X256, 40),
+        ("attention_bwd_dkdv", "h200", X256, 72), ("attention_bwd_dkdv", "a100", X256, 88),
+        ("attention_jvp", "h200", "jvp:" + X256, 888), ("attention_jvp", "a100", "jvp:" + X256, 872))},
+}
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf,
 # each without the subnormal-result fixup of PTX ex2.approx.f32 (_common.exp2's ftz form).
 EXP2_ONLY = {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp", "cross_entropy_fwd",
@@ -38,16 +46,19 @@ IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchif
 # moves nothing at cotangent 1 (the instrument counts it statically, as a third and fourth pass).
 CE_FWD_OVER_MIN = 1.02
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
+# Ops whose kernels have dots: their f32 cases compile twice, at the default precision (TF32)
+# and under jax.default_matmul_precision("highest") (3xTF32, cases named "highest:...").
+DOT_OPS = ("dot_product_attention", "conv2d", "linear_cross_entropy")
 # Kernels that run mma.sync (HMMA) on sm_90 at one registry case, not wgmma: at head_dim 256
 # every wgmma tile (M >= 64 rows) spilled 300-4100 B per thread in f32 (TF32) (compiled,
 # H200, tiles in bench/results/); the table takes the unspilled mma.sync tiles there.
 # (kernel, dtype, case)
 MMA_SYNC_ON_SM90 = {
-    (k, "float32", "1x4096x16:8x256-causal-window-softcap")
+    (k, "float32", X256)
     for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")
 } | {
-    ("attention_fwd", "float32", "jvp:1x4096x16:8x256-causal-window-softcap"),
-    ("attention_jvp", "float32", "jvp:1x4096x16:8x256-causal-window-softcap"),
+    ("attention_fwd", "float32", "jvp:" + X256),
+    ("attention_jvp", "float32", "jvp:" + X256),
 }
 # Main-loop SASS instructions per unique score element (deviceless.main_loop's counting rule)
 # at head_dim 128, bf16, H200: at most 18 in the forward, 27 in dk/dv, 22 in dq.
@@ -172,6 +183,17 @@ def test_every_kernel_op_has_cases_in_both_dtypes():
     assert len({c.id for c in cs}) == len(cs), "case ids must be unique"
 
 
+def test_f32_cases_once_per_precision():
+    cs = deviceless.cases(["dot_product_attention"], gpus=("a100",), precisions=(None, "highest"))
+    f32 = [c for c in cs if c.dtype == "float32"]
+    assert len(f32) == 2 * len([c for c in cs if c.dtype == "bfloat16"])
+    assert {c.shape_name.split(":")[0] for c in f32 if c.precision} == {"highest"}
+    assert {c.mode for c in f32 if c.shape_name.startswith("highest:jvp:")} == {"jvp"}
+    assert len({c.id for c in cs}) == len(cs), "case ids must be unique"
+    with pytest.raises(ValueError, match="unknown precision 'fastest'; known: default, highest"):
+        deviceless.cases(["dot_product_attention"], precisions=("fastest",))
+
+
 def test_target_configs_name_the_architecture():
     for t in deviceless.GPUS.values():
         text = t.target_config()
@@ -183,7 +205,12 @@ def test_target_configs_name_the_architecture():
 
 
 def _op_cases(ops):
-    return deviceless.cases(list(ops), dtypes=("float32", "bfloat16"), gpus=GPUS)
+    """The cases of ``ops``; those with f32 dots also under ``"highest"`` (3xTF32)."""
+    plain = [op for op in ops if op not in DOT_OPS]
+    dots = [op for op in ops if op in DOT_OPS]
+    return (deviceless.cases(plain, dtypes=("float32", "bfloat16"), gpus=GPUS) if plain else []) + (
+        deviceless.cases(dots, dtypes=("float32", "bfloat16"), gpus=GPUS, precisions=(None, "highest"))
+        if dots else [])
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +246,7 @@ def test_kernels_compile_for_gpus(op, compiled):
         where = f"{r['kernel']} {r['case']} {r['dtype']} {r['gpu']}"
         target = deviceless.GPUS[r["gpu"]]
         # a jvp case runs the op's forward kernel too, then the tangent kernel
-        allowed = spec.kernels + spec.jvp_kernels if r["case"].startswith("jvp:") else spec.kernels
+        allowed = spec.kernels + spec.jvp_kernels if "jvp:" in r["case"] else spec.kernels
         assert r["kernel"] in allowed, f"unexpected kernel {where}"
         # Figures read from XLA's kernel cache and cuobjdump: consistent with each other.
         assert r["threads"] == 32 * r["num_warps"], where
@@ -250,10 +277,12 @@ def test_kernels_compile_for_gpus(op, compiled):
                 f"{where}: {r['inst_per_s']} main-loop instructions per S element (at most {INST_PER_S[r['kernel']]})")
         if r["kernel"] in PERSISTENT or (r["kernel"], r["dtype"]) in PERSISTENT_BY_DTYPE:
             assert 0.75 <= r["waves"] <= 1.0, f"{where}: persistent grid of {r['waves']:.2f} waves"
-        if op in ("dot_product_attention", "conv2d", "linear_cross_entropy"):  # bf16, and f32 through TF32
+        if op in DOT_OPS:  # bf16, and f32 through TF32 or 3xTF32
             want = TENSOR_CORE[r["gpu"]]
             if want == "HGMMA" and (r["kernel"], r["dtype"], r["case"]) in MMA_SYNC_ON_SM90:
                 want = "HMMA"
+            if r["case"].startswith("highest:") and r["tensor_core"] == "HMMA":
+                want = "HMMA"  # 3xTF32 on sm_90: attention's 64-row wgmma tiles spill (_tuning._ATTENTION_X3)
             assert r["tensor_core"] == want, f"{where}: dots compile to {r['tensor_core']}, want {want}"
 
 

@@ -77,6 +77,35 @@ _ATTENTION = {
     "attention_jvp/h256": _(64, 32, num_warps=8, num_stages=2),
 }
 
+# f32 attention under 3xTF32 (jax.default_matmul_precision("highest"): each f32 dot is three
+# TF32 products of split operands, so each tile holds twice the operands). The TF32 tiles
+# capped at 64 x 32 (``attention``'s default for "/x3") spilled 64-1576 B per thread at head_dim
+# 128 and 256, and on A100 at 256 the case did not compile (213 KB of shared memory). Chosen
+# from a sweep of 16-128 x 16-64 tiles on 2-8 warps, 1-2 stages (compiled, H200 and A100):
+# the fewest main-loop instructions per score element among those without spills. At
+# head_dim 256 none is without spills except the forward; these are the fewest bytes
+# (tests/test_compile.py lists them).
+_ATTENTION_X3 = {
+    "attention_fwd/h256/f32/x3": _(16, 32, num_warps=8, num_stages=1),
+    "attention_bwd_dq/h256/f32/x3": _(16, 16, num_warps=8, num_stages=1),
+    "attention_bwd_dkdv/h256/f32/x3": _(16, 16, num_warps=8, num_stages=1),
+    "attention_jvp/h256/f32/x3": _(16, 16, num_warps=8, num_stages=2),
+}
+_ATTENTION_X3_SM90 = {
+    **_ATTENTION_X3,
+    "attention_fwd/h128/f32/x3": _(64, 16, num_warps=4, num_stages=1),  # wgmma, 242 registers
+    "attention_bwd_dq/h128/f32/x3": _(16, 32, num_warps=4, num_stages=1),
+    "attention_jvp/h128/f32/x3": _(16, 16, num_warps=8, num_stages=2),
+}
+_ATTENTION_X3_SM80 = {
+    **_ATTENTION_X3,
+    "attention_fwd/h128/f32/x3": _(32, 64, num_warps=8, num_stages=1),
+    "attention_bwd_dq/h128/f32/x3": _(16, 32, num_warps=4, num_stages=1),
+    "attention_jvp/h128/f32/x3": _(16, 16, num_warps=8, num_stages=1),
+    "attention_bwd_dq/h64/f32/x3": _(32, 64, num_warps=8, num_stages=1),
+    "attention_jvp/h64/f32/x3": _(16, 16, num_warps=8, num_stages=1),
+}
+
 # linear_cross_entropy (its kernels' docstrings): block_m tokens, block_n vocabulary columns,
 # block_k the D chunk of the logit dots; one warpgroup on 64-token tiles, since a second would
 # compute the same rows again (wgmma splits M between warpgroups only from M = 128).
@@ -99,6 +128,8 @@ _LCE_SM90 = {
     "linear_cross_entropy_fwd/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=3),
     "linear_cross_entropy_bwd_dx/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
     "linear_cross_entropy_bwd_dw/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # Under 3xTF32 the table layout's dw spilled 8 B; 16-wide D chunks: 202 registers.
+    "linear_cross_entropy_bwd_dw/f32/table/x3": _(64, 64, 16, num_warps=4, num_stages=2, blocks_per_sm=2),
 }
 # sm_80 (mma.sync is per warp, nothing is duplicated): 8 warps spread the 64 x 128 tile over
 # twice the registers (4 warps spilled up to 200 B in the forward); 167-246 registers, one
@@ -108,6 +139,10 @@ _LCE_SM80 = {
     "linear_cross_entropy_bwd_dx": _(64, 128, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
     "linear_cross_entropy_bwd_dw": _(64, 128, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
     "linear_cross_entropy_bwd_dw/16bit": _(128, 64, 64, num_warps=8, num_stages=2, blocks_per_sm=1),
+    # 3xTF32: the f32 tiles spilled 272-2768 B per thread (dx the most); 64 x 64 tiles from
+    # 16-wide D chunks on 8 warps: 168-255 registers, no spills, one block per SM.
+    **{f"linear_cross_entropy_{k}/f32{t}/x3": _(64, 64, 16, num_warps=8, num_stages=2, blocks_per_sm=1)
+       for k in ("fwd", "bwd_dx", "bwd_dw") for t in ("", "/table")},
 }
 
 # group_norm's two kernels (sums, then dx) share one grid of (sample, spatial chunk) programs:
@@ -125,6 +160,7 @@ _GROUP_NORM = {
 TABLE: dict[str, dict[str, Config]] = {
     "sm_90": {
         **_ATTENTION,
+        **_ATTENTION_X3_SM90,
         **_LCE_SM90,
         **_GROUP_NORM,
         # 16-bit dq at 128 query rows: no warpgroup replica, no spills (compiled, H200).
@@ -205,6 +241,7 @@ TABLE: dict[str, dict[str, Config]] = {
     },
     "sm_80": {
         **_ATTENTION,
+        **_ATTENTION_X3_SM80,
         **_LCE_SM80,
         **_GROUP_NORM,
         # head_dim 64 with a window and softcap (compiled, A100): the sm_90 tiles spilled
@@ -366,6 +403,22 @@ def _bits(dtype) -> str:
     return "16bit" if jnp.dtype(dtype).itemsize == 2 else "f32"
 
 
+def _x3(dtype) -> str:
+    """``"/x3"``, the last part of a variant, for f32 whose dots run as 3xTF32
+    (``jax.default_matmul_precision("highest")``, see ``_common.dot``): three products per
+    dot and each tile split in two, so the kernels with dots need their own tiles there;
+    ``get`` falls back to the f32 entry where the table has none. Else ``""``."""
+    x3 = _bits(dtype) == "f32" and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return "/x3" if x3 else ""
+
+
+def has(key: str) -> bool:
+    """Whether the current architecture's table, or a loaded override, has ``key`` itself
+    (not only a shorter prefix that ``get`` would fall back to)."""
+    a = arch()
+    return key in TABLE[a] or key in _OVERRIDES.get(a, {})
+
+
 def group_norm(dtype, silu: bool) -> Config:
     """group_norm's backward grid and tile (block_n elements per [block_s, C] tile)."""
     return get(f"group_norm_bwd/{'silu/' if silu else ''}{_bits(dtype)}")
@@ -403,13 +456,13 @@ def split(tiles: int, steps: int, cfg: Config, *, max_waves: int = 1, min_steps:
 def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
     """Tiles of attention kernel ``kind`` ("attention_fwd", "attention_bwd_dkdv",
     "attention_bwd_dq", "attention_jvp") at padded head dim ``Hp``: block_m query rows,
-    block_n key rows, capped at the (power-of-two padded) sequence lengths; halved under
-    3xTF32, which splits each f32 tile in two (shared memory)."""
+    block_n key rows, capped at the (power-of-two padded) sequence lengths. Under 3xTF32
+    the ``f32/x3`` entries, or else the f32 tiles capped at 64 x 32."""
     h = 64 if Hp <= 64 else 128 if Hp <= 128 else 256
-    bits = _bits(dtype)
-    cfg = get(f"{kind}/h{h}/{bits}")
+    key = f"{kind}/h{h}/{_bits(dtype)}{_x3(dtype)}"
+    cfg = get(key)
     bq, bk = cfg.block_m, cfg.block_n
-    if bits == "f32" and C.f32_dot_precision() == lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+    if key.endswith("/x3") and not has(key):
         bq, bk = min(bq, 64), min(bk, 32)
     bq, bk = min(bq, max(16, C.next_pow2(T))), min(bk, max(16, C.next_pow2(S)))
     return dataclasses.replace(cfg, block_m=bq, block_n=bk)
@@ -419,7 +472,7 @@ def linear_cross_entropy(kernel: str, dtype, transpose_w: bool) -> Config:
     """Tiles of a linear_cross_entropy kernel (``linear_cross_entropy_fwd``, ``_bwd_dx`` or
     ``_bwd_dw``): block_m tokens, block_n vocabulary columns, block_k the D chunk of the
     logit dots; ``transpose_w`` (w as an embedding table [V, D]) has its own entries."""
-    return get(f"{kernel}/{_bits(dtype)}{'/table' if transpose_w else ''}")
+    return get(f"{kernel}/{_bits(dtype)}{'/table' if transpose_w else ''}{_x3(dtype)}")
 
 
 def column_sum(dtype, kernel: str = "bias_add_dbias") -> Config:
@@ -430,7 +483,7 @@ def column_sum(dtype, kernel: str = "bias_add_dbias") -> Config:
 
 def conv(kernel: str, dtype, depthwise: bool) -> Config:
     """Tiles of ``conv2d_dgrad``/``conv2d_wgrad`` (dimensions in conv.py's docstring)."""
-    variant = "depthwise" if depthwise else _bits(dtype)
+    variant = "depthwise" if depthwise else _bits(dtype) + _x3(dtype)
     return get(f"{kernel}/{variant}")
 
 
