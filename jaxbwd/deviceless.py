@@ -227,16 +227,18 @@ def _shape_name(name: str) -> str:
     return re.sub(r"-?(bf16|f32|f16|bfloat16|float32|float16)(?=-|$)", "", name).strip("-") or name
 
 
-# jax.default_matmul_precision values a case may be compiled under (besides the default).
+# jax.default_matmul_precision values a case may be compiled under (besides the default),
+# and the ops whose kernels have f32 dots (_common.dot), the only ones it changes.
 PRECISIONS = ("highest",)
+MATMUL_OPS = ("dot_product_attention", "conv2d", "linear_cross_entropy")
 
 
 def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
           gpus: Sequence[str] = ("h200",), precisions: Sequence[Optional[str]] = (None,)) -> list[Case]:
     """Every (op, lowering example, dtype, gpu) to compile, from the registry: the forward
     and backward of each, and the forward and tangent pass of ops with ``jvp_kernels``;
-    f32 cases once per ``precisions`` entry (``None``: the default, TF32 dots; ``"highest"``:
-    3xTF32), 16-bit ones once.
+    the f32 cases of ``MATMUL_OPS`` once per ``precisions`` entry (``None``: the default,
+    TF32 dots; ``"highest"``: 3xTF32), every other case once, at the default.
 
     Examples that differ only in dtype collapse into one case per dtype. Raises ValueError
     for a precision not in ``PRECISIONS``.
@@ -246,7 +248,7 @@ def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
         raise ValueError(f"jaxbwd compile: unknown precision {bad[0]!r}; known: default, {', '.join(PRECISIONS)}")
     from jaxbwd import registry
 
-    out, seen = [], set()
+    out, seen, names = [], set(), set()
     for spec in registry.ops(ops):
         if not spec.has_kernels:
             continue
@@ -257,10 +259,11 @@ def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
                 continue
             seen.add(key)
             name = _shape_name(ex.name)
-            if any(c.op == spec.name and c.shape_name == name for c in out):  # same shapes, other params
+            if (spec.name, name) in names:  # same shapes, other params
                 name += "-" + ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+            names.add((spec.name, name))
             for dt in dtypes:
-                for p in (precisions if dt == "float32" else (None,)):
+                for p in (precisions if dt == "float32" and spec.name in MATMUL_OPS else (None,)):
                     at = f"{p}:" if p else ""
                     for g in gpus:
                         out.append(Case(spec.name, i, at + name, dt, g, precision=p))

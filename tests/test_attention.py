@@ -96,12 +96,15 @@ def test_grads_match_reference(case, impl):
 
 
 @pytest.mark.parametrize("case", ["causal", "gqa8:1-causal", "T13-S29", "segments-unsorted", "window4", "softcap2-all"])
-def test_dkdv_keys_first(case):
+def test_dkdv_keys_first(case, monkeypatch):
     # dk/dv computing the transposed tiles S^T = K Q^T (the table's keys_first, chosen per
     # architecture and head dim): masks, segment ids, GQA groups and tails on the transpose.
+    seen = []
+    kernel = PA._dkdv_kernel
+    monkeypatch.setattr(PA, "_dkdv_kernel", lambda *refs, **kw: (seen.append(kw["keys_first"]), kernel(*refs, **kw))[1])
     with _tuning.use({_tuning.arch(): {"attention_bwd_dkdv": {"keys_first": True}}}):
-        assert PA._config(PA.Dims(1, 8, 8, 1, 1, 16, 1.0, False, None, None, False), "dkdv").keys_first
         _check("pallas", **CASES[case])
+    assert seen and all(seen)
 
 
 def test_segment_block_bounds_skip_other_documents():
@@ -226,15 +229,21 @@ def _check_window_softcap_tangent(H, dtype):
     _close(tangent, want_t, TOL[dtype])
 
 
-def test_3xtf32_takes_its_own_tiles():
+def test_3xtf32_takes_its_own_tiles(monkeypatch):
     # Under "highest" the f32 kernels take the table's "/x3" entries where it has them, else
-    # the f32 tiles capped at 64 x 32; 16-bit inputs are not affected (sm_90, no GPU here).
+    # the f32 tiles capped at 64 x 32 (block sizes given to the "/x3" key by an override are
+    # taken as they are); 16-bit inputs are not affected.
+    monkeypatch.setattr(_tuning, "arch", lambda: "sm_90")
     att = lambda kind, H, dtype: _tuning.attention(kind, H, dtype, 4096, 4096)
     tiles = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages, c.keys_first)
     with jax.default_matmul_precision("highest"):
         assert tiles(att("attention_fwd", 256, jnp.float32)) == (16, 32, 8, 1, False)
         assert tiles(att("attention_bwd_dkdv", 256, jnp.float32)) == (16, 16, 8, 1, False)
         assert tiles(att("attention_bwd_dq", 64, jnp.float32))[:2] == (64, 32)  # 128 x 32, capped
+        with _tuning.use({"sm_90": {"attention_bwd_dq/h64/f32/x3": {"num_stages": 2}}}):
+            assert tiles(att("attention_bwd_dq", 64, jnp.float32))[:4] == (64, 32, 8, 2)
+        with _tuning.use({"sm_90": {"attention_bwd_dq/h64/f32/x3": {"block_m": 128}}}):
+            assert tiles(att("attention_bwd_dq", 64, jnp.float32))[:2] == (128, 32)
         bf16 = tiles(att("attention_fwd", 128, jnp.bfloat16))
     assert bf16 == tiles(att("attention_fwd", 128, jnp.bfloat16))
     assert tiles(att("attention_bwd_dkdv", 256, jnp.float32)) == (32, 32, 8, 1, True)

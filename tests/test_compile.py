@@ -46,9 +46,10 @@ IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchif
 # moves nothing at cotangent 1 (the instrument counts it statically, as a third and fourth pass).
 CE_FWD_OVER_MIN = 1.02
 TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
-# Ops whose kernels have dots: their f32 cases compile twice, at the default precision (TF32)
-# and under jax.default_matmul_precision("highest") (3xTF32, cases named "highest:...").
-DOT_OPS = ("dot_product_attention", "conv2d", "linear_cross_entropy")
+# Ops whose kernels have dots (deviceless.MATMUL_OPS): their f32 cases compile twice, at the
+# default precision (TF32) and under jax.default_matmul_precision("highest") (3xTF32, cases
+# named "highest:...").
+DOT_OPS = deviceless.MATMUL_OPS
 # Kernels that run mma.sync (HMMA) on sm_90 at one registry case, not wgmma: at head_dim 256
 # every wgmma tile (M >= 64 rows) spilled 300-4100 B per thread in f32 (TF32) (compiled,
 # H200, tiles in bench/results/); the table takes the unspilled mma.sync tiles there.
@@ -189,7 +190,13 @@ def test_f32_cases_once_per_precision():
     assert len(f32) == 2 * len([c for c in cs if c.dtype == "bfloat16"])
     assert {c.shape_name.split(":")[0] for c in f32 if c.precision} == {"highest"}
     assert {c.mode for c in f32 if c.shape_name.startswith("highest:jvp:")} == {"jvp"}
-    assert len({c.id for c in cs}) == len(cs), "case ids must be unique"
+    # Ops without dots compile once, at the default; ids stay unique under a prefix (gelu has
+    # two examples of one shape, told apart by their parameters).
+    for precisions in ((None, "highest"), ("highest",)):
+        cs = deviceless.cases(dtypes=("float32",), precisions=precisions)
+        assert len({c.id for c in cs}) == len(cs), "case ids must be unique"
+        assert all(c.op in deviceless.MATMUL_OPS for c in cs if c.precision)
+        assert {c.op for c in cs if c.precision} == set(deviceless.MATMUL_OPS)
     with pytest.raises(ValueError, match="unknown precision 'fastest'; known: default, highest"):
         deviceless.cases(["dot_product_attention"], precisions=("fastest",))
 
@@ -205,12 +212,8 @@ def test_target_configs_name_the_architecture():
 
 
 def _op_cases(ops):
-    """The cases of ``ops``; those with f32 dots also under ``"highest"`` (3xTF32)."""
-    plain = [op for op in ops if op not in DOT_OPS]
-    dots = [op for op in ops if op in DOT_OPS]
-    return (deviceless.cases(plain, dtypes=("float32", "bfloat16"), gpus=GPUS) if plain else []) + (
-        deviceless.cases(dots, dtypes=("float32", "bfloat16"), gpus=GPUS, precisions=(None, "highest"))
-        if dots else [])
+    """The cases of ``ops``; the f32 ones of ops with dots also under ``"highest"`` (3xTF32)."""
+    return deviceless.cases(list(ops), dtypes=("float32", "bfloat16"), gpus=GPUS, precisions=(None, "highest"))
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +284,7 @@ def test_kernels_compile_for_gpus(op, compiled):
             want = TENSOR_CORE[r["gpu"]]
             if want == "HGMMA" and (r["kernel"], r["dtype"], r["case"]) in MMA_SYNC_ON_SM90:
                 want = "HMMA"
-            if r["case"].startswith("highest:") and r["tensor_core"] == "HMMA":
+            if r["case"].startswith("highest:") and op == "dot_product_attention" and r["tensor_core"] == "HMMA":
                 want = "HMMA"  # 3xTF32 on sm_90: attention's 64-row wgmma tiles spill (_tuning._ATTENTION_X3)
             assert r["tensor_core"] == want, f"{where}: dots compile to {r['tensor_core']}, want {want}"
 

@@ -79,9 +79,9 @@ _ATTENTION = {
 
 # f32 attention under 3xTF32 (jax.default_matmul_precision("highest"): each f32 dot is three
 # TF32 products of split operands, so each tile holds twice the operands). The TF32 tiles
-# capped at 64 x 32 (``attention``'s default for "/x3") spilled 64-1576 B per thread at head_dim
-# 128 and 256, and on A100 at 256 the case did not compile (213 KB of shared memory). Chosen
-# from a sweep of 16-128 x 16-64 tiles on 2-8 warps, 1-2 stages (compiled, H200 and A100):
+# capped at 64 x 32 (``attention``'s default for "/x3") spilled 64-1576 B per thread (A100:
+# every head dim; H200: 80-256), and on A100 at 256 the case did not compile (213 KB of shared
+# memory). Chosen from a sweep of 16-128 x 16-64 tiles on 2-16 warps, 1-2 stages (compiled):
 # the fewest main-loop instructions per score element among those without spills. At
 # head_dim 256 none is without spills except the forward; these are the fewest bytes
 # (tests/test_compile.py lists them).
@@ -96,6 +96,9 @@ _ATTENTION_X3_SM90 = {
     "attention_fwd/h128/f32/x3": _(64, 16, num_warps=4, num_stages=1),  # wgmma, 242 registers
     "attention_bwd_dq/h128/f32/x3": _(16, 32, num_warps=4, num_stages=1),
     "attention_jvp/h128/f32/x3": _(16, 16, num_warps=8, num_stages=2),
+    # S^T = K Q^T on 64 key rows keeps every dk/dv dot on wgmma here too (129 instructions
+    # per S element; 144 on mma.sync at the capped 32 x 32).
+    "attention_bwd_dkdv/h64/f32/x3": _(16, 64, num_warps=4, num_stages=1, keys_first=True),
 }
 _ATTENTION_X3_SM80 = {
     **_ATTENTION_X3,
@@ -178,8 +181,8 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_fwd/h64/f32": _(128, 32, num_warps=8, num_stages=2),
         "attention_bwd_dq/h64/f32": _(128, 32, num_warps=8, num_stages=1),
         # At head_dim 64 dk/dv computes S^T = K Q^T (keys_first): every dot is wgmma on its 64
-        # key rows, 32 query rows per step, 227 registers, no spills (16 x 64 with S's M = 16
-        # on mma.sync before: main loop 90.1 -> 54.2 instructions per S element).
+        # key rows, 32 query rows per step, 244 registers, no spills (16 x 64 with S's M = 16
+        # on mma.sync before: main loop 90.1 -> 53.6 instructions per S element).
         "attention_bwd_dkdv/h64/f32": _(32, 64, num_warps=4, num_stages=1, keys_first=True),
         "attention_bwd_dq/h128/f32": _(128, 32, num_warps=8, num_stages=1),
         "attention_bwd_dkdv/h128/f32": _(16, 64, num_warps=8, num_stages=1),
@@ -412,13 +415,6 @@ def _x3(dtype) -> str:
     return "/x3" if x3 else ""
 
 
-def has(key: str) -> bool:
-    """Whether the current architecture's table, or a loaded override, has ``key`` itself
-    (not only a shorter prefix that ``get`` would fall back to)."""
-    a = arch()
-    return key in TABLE[a] or key in _OVERRIDES.get(a, {})
-
-
 def group_norm(dtype, silu: bool) -> Config:
     """group_norm's backward grid and tile (block_n elements per [block_s, C] tile)."""
     return get(f"group_norm_bwd/{'silu/' if silu else ''}{_bits(dtype)}")
@@ -457,13 +453,15 @@ def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
     """Tiles of attention kernel ``kind`` ("attention_fwd", "attention_bwd_dkdv",
     "attention_bwd_dq", "attention_jvp") at padded head dim ``Hp``: block_m query rows,
     block_n key rows, capped at the (power-of-two padded) sequence lengths. Under 3xTF32
-    the ``f32/x3`` entries, or else the f32 tiles capped at 64 x 32."""
+    the table's ``f32/x3`` entries; where it has none, the f32 tiles capped at 64 x 32 (block
+    sizes an override gives the ``f32/x3`` key itself are taken as they are)."""
     h = 64 if Hp <= 64 else 128 if Hp <= 128 else 256
     key = f"{kind}/h{h}/{_bits(dtype)}{_x3(dtype)}"
     cfg = get(key)
     bq, bk = cfg.block_m, cfg.block_n
-    if key.endswith("/x3") and not has(key):
-        bq, bk = min(bq, 64), min(bk, 32)
+    if key.endswith("/x3") and key not in TABLE[arch()]:
+        own = _OVERRIDES.get(arch(), {}).get(key, {})
+        bq, bk = own.get("block_m", min(bq, 64)), own.get("block_n", min(bk, 32))
     bq, bk = min(bq, max(16, C.next_pow2(T))), min(bk, max(16, C.next_pow2(S)))
     return dataclasses.replace(cfg, block_m=bq, block_n=bk)
 

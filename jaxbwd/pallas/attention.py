@@ -15,8 +15,8 @@ split into two kernels so that nothing is accumulated with atomics):
   ``P = exp(S - lse)`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in f32, so GQA
   gradients come out with K heads directly. Where the tuning table says ``keys_first`` it
   computes the transposed tiles ``S^T = K Q^T`` and ``dP^T = V dO^T`` instead, so that the
-  key block is the M dimension of all four dots (f32 on sm_90: wgmma for every dot at
-  head_dim 64, and the registers for 32 x 32 tiles at 256).
+  key block is the M dimension of all four dots (f32 with TF32 dots on sm_90: wgmma for
+  every dot at head_dim 64, and the registers for 32 x 32 tiles at 256; on sm_80 at 256).
 - ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
 
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
@@ -108,9 +108,10 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     spills. 16-bit dk/dv on sm_90 instead keeps 64 key rows on 4 warps, one warpgroup: no
     replica either (255 registers at head_dim 128, no spills). f32 (TF32) takes its own
     tiles where the 16-bit ones spilled: on sm_90 128 query rows on 8 warps with 32-key
-    blocks for dq (and the forward at head_dim 64), and 16 query rows against 64 key rows
-    for dk/dv, one stage (dk/dv computing S^T = K Q^T at head_dims 64 and 256, the
-    table's ``keys_first``). The table is ``_tuning``'s.
+    blocks for dq (and the forward at head_dim 64), and for dk/dv 16 query rows against
+    64 key rows at head_dim 80-128, one stage; dk/dv computes S^T = K Q^T (the table's
+    ``keys_first``) at head_dims 64 and 256 on sm_90, 256 on sm_80. Under 3xTF32 the
+    table's ``f32/x3`` tiles. The table is ``_tuning``'s.
     """
     cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
