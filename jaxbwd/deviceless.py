@@ -394,7 +394,7 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
         "sass": len(ops),
         "hgmma": base["HGMMA"],  # sm_90 warpgroup MMA (wgmma)
         "hmma": base["HMMA"],  # sm_80-style warp MMA (mma.sync)
-        "utcmma": sum(n for op, n in base.items() if op.startswith("UTC") and op.endswith("MMA")),  # sm_100 tcgen05
+        "utcmma": sum(n for op, n in base.items() if _is_utcmma(op)),  # sm_100 tcgen05
         "ex2": sum(o.startswith("MUFU.EX2") for o in ops),
         "expf": sum(o.startswith("FFMA.RM") for o in ops),
         "ex2_subnormal": len(_EX2_SUBNORMAL_CHECK.findall(body)),
@@ -407,7 +407,17 @@ _EX2_SUBNORMAL_CHECK = re.compile(
     r"\bFSETP\.GEU\.AND\s+U?P\d+,\s*U?PT,\s*\|?-?R\d+(?:\.reuse)?\|?,\s*-126,\s*U?PT\b")
 _SASS_INSTR = re.compile(
     r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
-_TENSOR_CORE_OPS = ("HGMMA", "HMMA")
+
+
+def _is_utcmma(base: str) -> bool:
+    """sm_100's tcgen05 MMAs: ``UTCHMMA`` (16-bit), ``UTCQMMA``, ... (``UTC*MMA``)."""
+    return base.startswith("UTC") and base.endswith("MMA")
+
+
+def _is_tensor_core_op(op: str) -> bool:
+    """A SASS opcode of the tensor cores: sm_90 wgmma (``HGMMA``), mma.sync (``HMMA``) or tcgen05."""
+    base = op.split(".")[0]
+    return base in ("HGMMA", "HMMA") or _is_utcmma(base)
 
 
 def main_loop(sass_body: str) -> Optional[dict[str, int]]:
@@ -415,7 +425,8 @@ def main_loop(sass_body: str) -> Optional[dict[str, int]]:
 
     Counting rule: a loop is a backward branch (``BRA`` to a lower address) and its body
     the instructions from the target to the branch, inclusive. The main loop is the
-    innermost loop whose body holds ``HGMMA``/``HMMA`` (no smaller such loop inside it);
+    innermost loop whose body holds a tensor-core op (``HGMMA``, ``HMMA``, sm_100's
+    ``UTC*MMA``; no smaller such loop inside it);
     where a kernel has several (an unmasked and a masked copy of its loop), the one with the
     fewest instructions, which is the copy that runs on all but the edge blocks. Its
     instruction count (NOPs excluded) is what every thread issues per iteration.
@@ -427,7 +438,7 @@ def main_loop(sass_body: str) -> Optional[dict[str, int]]:
             m = re.search(r"0x([0-9a-f]+)", rest)
             if m and int(m.group(1), 16) < addr:
                 loops.append((int(m.group(1), 16), addr))
-    tc = [a for a, op, _ in instrs if op.split(".")[0] in _TENSOR_CORE_OPS]
+    tc = [a for a, op, _ in instrs if _is_tensor_core_op(op)]
     with_tc = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in tc)]
     if not with_tc:
         return None
@@ -435,7 +446,7 @@ def main_loop(sass_body: str) -> Optional[dict[str, int]]:
                  if not any((l2, h2) != (lo, hi) and lo <= l2 and h2 <= hi for l2, h2 in with_tc)]
     lo, hi = min(innermost, key=lambda r: r[1] - r[0])
     body = [op for a, op, _ in instrs if lo <= a <= hi and op != "NOP"]
-    return {"loop_sass": len(body), "loop_tc": sum(op.split(".")[0] in _TENSOR_CORE_OPS for op in body),
+    return {"loop_sass": len(body), "loop_tc": sum(map(_is_tensor_core_op, body)),
             "loop_ex2": sum(op.startswith("MUFU.EX2") for op in body)}
 
 

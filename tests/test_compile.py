@@ -9,6 +9,7 @@ parser and occupancy tests at the top run everywhere.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -150,6 +151,10 @@ def test_main_loop_is_the_smallest_innermost_tensor_core_loop():
     loop = deviceless.main_loop(_SASS)
     assert loop == {"loop_sass": 4, "loop_tc": 1, "loop_ex2": 1}
     assert deviceless.main_loop(_SASS.replace("HGMMA", "FFMA")) is None
+    # sm_100's tcgen05 MMA (operands in shared and tensor memory) counts as well.
+    tcgen05 = "UTCHMMA gdesc[UR4], gdesc[UR10], tmem[UR8], tmem[UR28], idesc[UR29], UPT"
+    assert deviceless.main_loop(re.sub(r"HGMMA[^;]*", tcgen05, _SASS)) == loop
+    assert deviceless.main_loop(_SASS.replace("HGMMA", "UTCBAR")) is None
 
 
 def test_ex2_subnormal_fixup_is_recognised():
