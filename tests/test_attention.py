@@ -202,13 +202,15 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
     (256, "bfloat16", "sm_90", None), (256, "float32", "sm_90", None), (80, "float32", "sm_90", None),
     (64, "float32", "sm_90", None), (80, "float32", "sm_80", None), (64, "bfloat16", "sm_80", None),
     (256, "float32", "sm_80", None), (128, "float32", "sm_90", "highest"), (256, "float32", "sm_80", "highest"),
-    (64, "float32", "sm_80", "highest")])
+    (64, "float32", "sm_80", "highest"), (80, "float32", "sm_100", None), (256, "bfloat16", "sm_100", None),
+    (80, "float32", "sm_100", "highest"), (64, "float32", "sm_100", "highest")])
 def test_tuning_tables_own_tiles(H, dtype, arch, precision, monkeypatch):
     # The table's own tiles for one architecture (interpret mode: no block override), which
     # differ per kernel and between the two sides of dk/dv (e.g. 16 query x 64 key rows in
     # f32, 128 x 32 in the f32 forward and dq; S^T = K Q^T in f32 dk/dv at head dims 64
-    # and 256 on sm_90, and 256 on sm_80; under "highest", the 3xTF32 tiles): a window and
-    # softcap over several blocks with ragged tails, forward, grads and jvp.
+    # and 256 on sm_90, and 256 on sm_80, and in 16-bit dk/dv at 256 on sm_100; under
+    # "highest", the 3xTF32 tiles): a window and softcap over several blocks with ragged
+    # tails, forward, grads and jvp.
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         _check_window_softcap_tangent(H, dtype)

@@ -1,4 +1,4 @@
-"""Every Pallas kernel compiles for real GPUs (sm_90 H200, sm_80 A100) at the registry's
+"""Every Pallas kernel compiles for real GPUs (sm_90 H200, sm_80 A100, sm_100 B200) at the registry's
 realistic shapes, in f32 and bf16, with XLA's deviceless GPU compiler; and the static
 figures read from the compiled code hold the gates below.
 
@@ -26,7 +26,10 @@ KNOWN_SPILLS: dict[tuple[str, ...], int] = {
     **{(k, "float32", g, "highest:" + c): n for k, g, c, n in (
         ("attention_bwd_dq", "h200", X256, 24), ("attention_bwd_dq", "a100", X256, 40),
         ("attention_bwd_dkdv", "h200", X256, 72), ("attention_bwd_dkdv", "a100", X256, 88),
-        ("attention_jvp", "h200", "jvp:" + X256, 888), ("attention_jvp", "a100", "jvp:" + X256, 872))},
+        ("attention_jvp", "h200", "jvp:" + X256, 888), ("attention_jvp", "a100", "jvp:" + X256, 872),
+        # B200: sm_90's tiles (every other tile compiled spilled more, 96-1672 B).
+        ("attention_bwd_dq", "b200", X256, 32), ("attention_bwd_dkdv", "b200", X256, 72),
+        ("attention_jvp", "b200", "jvp:" + X256, 904))},
 }
 # Kernels whose exponentials must be MUFU.EX2 only (exp2 of base-2 logits), no libdevice expf,
 # each without the subnormal-result fixup of PTX ex2.approx.f32 (_common.exp2's ftz form).
@@ -46,16 +49,17 @@ IO_OVER_MIN = {"group_norm": 1.75, "rope": 1.1, "pixel_shuffle": 1.1, "unpatchif
 # gradient once, the op's minimum of two passes over [rows, V]; the backward's in-place scale
 # moves nothing at cotangent 1 (the instrument counts it statically, as a third and fourth pass).
 CE_FWD_OVER_MIN = 1.02
-TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA"}
+TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA", "b200": "UTCMMA"}
 # Ops whose kernels have dots (deviceless.MATMUL_OPS): their f32 cases compile twice, at the
 # default precision (TF32) and under jax.default_matmul_precision("highest") (3xTF32, cases
 # named "highest:...").
 DOT_OPS = deviceless.MATMUL_OPS
-# Kernels that run mma.sync (HMMA) on sm_90 at one registry case, not wgmma: at head_dim 256
-# every wgmma tile (M >= 64 rows) spilled 300-4100 B per thread in f32 (TF32) (compiled,
-# H200, tiles in bench/results/); the table takes the unspilled mma.sync tiles there.
-# (kernel, dtype, case)
-MMA_SYNC_ON_SM90 = {
+# Kernels that run mma.sync (HMMA) on sm_90 and sm_100 at one registry case, not wgmma or
+# tcgen05: at head_dim 256 in f32 (TF32) every wgmma tile (M >= 64 rows) spilled 300-4100 B
+# per thread (compiled, H200, tiles in bench/results/), and every tcgen05 tile asked for more
+# than the B200's 512 tensor-memory columns or spilled; the table takes the unspilled mma.sync
+# tiles there. (kernel, dtype, case)
+MMA_SYNC = {
     (k, "float32", X256)
     for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")
 } | {
@@ -63,7 +67,7 @@ MMA_SYNC_ON_SM90 = {
     ("attention_jvp", "float32", "jvp:" + X256),
 }
 # Main-loop SASS instructions per unique score element (deviceless.main_loop's counting rule)
-# at head_dim 128, bf16, H200: at most 18 in the forward, 27 in dk/dv, 22 in dq.
+# at head_dim 128, bf16, H200 and B200: at most 18 in the forward, 27 in dk/dv, 22 in dq.
 INST_PER_S = {"attention_fwd": 18, "attention_bwd_dkdv": 27, "attention_bwd_dq": 22}
 # Persistent grids, sized by _tuning.split from the occupancy the tuning table records: the
 # compiled kernels must reach it (else the grid is more than one wave) and fill most of a wave.
@@ -73,7 +77,7 @@ PERSISTENT = {"rms_norm_bwd", "layer_norm_bwd", "bias_add_dbias", "group_norm_bw
 # linear_cross_entropy's dw with f32 operands (16-bit takes one program per SM by design, for
 # its slabs' memory: half a wave on the H200).
 PERSISTENT_BY_DTYPE = {("linear_cross_entropy_bwd_dw", "float32")}
-GPUS = ("h200", "a100")
+GPUS = ("h200", "a100", "b200")
 MISSING = deviceless.missing_requirements()
 needs_compiler = pytest.mark.skipif(
     bool(MISSING), reason=f"needs {', '.join(MISSING)}: {deviceless.INSTALL_HINT}")
@@ -280,17 +284,17 @@ def test_kernels_compile_for_gpus(op, compiled):
         if r["kernel"] == "cross_entropy_fwd":
             ratio = r["io_bytes"] / r["op_min_bytes"]
             assert ratio <= CE_FWD_OVER_MIN, f"{where}: forward moves {ratio:.2f}x the op's two passes"
-        if r["kernel"] in INST_PER_S and r["gpu"] == "h200" and r["dtype"] == "bfloat16" and "x128" in r["case"]:
+        if r["kernel"] in INST_PER_S and r["gpu"] in ("h200", "b200") and r["dtype"] == "bfloat16" and "x128" in r["case"]:
             assert r["inst_per_s"] is not None and r["inst_per_s"] <= INST_PER_S[r["kernel"]], (
                 f"{where}: {r['inst_per_s']} main-loop instructions per S element (at most {INST_PER_S[r['kernel']]})")
         if r["kernel"] in PERSISTENT or (r["kernel"], r["dtype"]) in PERSISTENT_BY_DTYPE:
             assert 0.75 <= r["waves"] <= 1.0, f"{where}: persistent grid of {r['waves']:.2f} waves"
         if op in DOT_OPS:  # bf16, and f32 through TF32 or 3xTF32
             want = TENSOR_CORE[r["gpu"]]
-            if want == "HGMMA" and (r["kernel"], r["dtype"], r["case"]) in MMA_SYNC_ON_SM90:
+            if want != "HMMA" and (r["kernel"], r["dtype"], r["case"]) in MMA_SYNC:
                 want = "HMMA"
             if r["case"].startswith("highest:") and op == "dot_product_attention" and r["tensor_core"] == "HMMA":
-                want = "HMMA"  # 3xTF32 on sm_90: attention's 64-row wgmma tiles spill (_tuning._ATTENTION_X3)
+                want = "HMMA"  # 3xTF32: attention's 64-row wgmma/tcgen05 tiles spill (_tuning._ATTENTION_X3)
             assert r["tensor_core"] == want, f"{where}: dots compile to {r['tensor_core']}, want {want}"
 
 

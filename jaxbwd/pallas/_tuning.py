@@ -3,8 +3,8 @@
 A kernel asks for its configuration with the shapes it was given; a heuristic here turns
 the shapes into a *variant* (e.g. ``"16bit"``, ``"h128/16bit"``, ``"d8192"``) and the table
 gives the block sizes, warps and pipeline stages for the current architecture
-(``_common.sm_version``): ``sm_90`` (H100/H200) and ``sm_80`` (A100); ``sm_100`` (B200)
-takes the sm_90 entries, which are the ones compiled and checked for it so far.
+(``_common.sm_version``): ``sm_90`` (H100/H200), ``sm_80`` (A100) and ``sm_100`` (B200:
+sm_90's entries, except where they compiled worse for it).
 
 ``blocks_per_sm`` is the occupancy the compiled kernel reaches at that configuration, read
 from its registers and shared memory by ``python -m jaxbwd compile`` (column ``blk/SM``;
@@ -292,7 +292,53 @@ TABLE: dict[str, dict[str, Config]] = {
         "batch_norm_bwd_reduce": _(32, 128, num_warps=4, blocks_per_sm=4),
     },
 }
-TABLE["sm_100"] = dict(TABLE["sm_90"])
+# sm_100 (B200, tcgen05: the MMA's accumulator lives in tensor memory, 512 f32 columns per SM):
+# sm_90's entries, except where they spilled or left tcgen05 for mma.sync when compiled for
+# a B200 (2026-12-05, bench/results/2026-12-05-compile-sm100.md; chosen as the sm_90 ones were:
+# no spills, then the fewest main-loop instructions per score element or per step).
+TABLE["sm_100"] = {
+    **TABLE["sm_90"],
+    # f32 dq at head_dim 80-128: 128 x 32 with one stage spilled 224 B; two stages: 250
+    # registers, no spills.
+    "attention_bwd_dq/h128/f32": _(128, 32, num_warps=8, num_stages=2),
+    # f32 dk/dv at head_dim 80-128: 64 x 64 on 8 warps puts all four dots on tcgen05 (sm_90's
+    # 16 x 64 ran S and dP on mma.sync): 248 registers, 103.5 -> 32.6 instructions per S element.
+    "attention_bwd_dkdv/h128/f32": _(64, 64, num_warps=8, num_stages=1),
+    # 16-bit dk/dv at head_dim 80-128: sm_90's two stages spilled 16-24 B; one stage: 254
+    # registers, no spills, 2 blocks per SM.
+    "attention_bwd_dkdv/h128/16bit": _(64, 64, num_warps=4, num_stages=1),
+    # 16-bit dk/dv at head_dim 256: S^T = K Q^T on 64 key rows, all on tcgen05 (sm_90's
+    # 32 x 64 ran S and dP on mma.sync): 255 registers, no spills, 59.5 -> 37.7 per S element.
+    "attention_bwd_dkdv/h256/16bit": _(64, 64, num_warps=8, num_stages=1, keys_first=True),
+    # The 16-bit tangent pass at head_dim 256: 64 x 16 on 4 warps spilled 40 B; 64 x 32 on 8
+    # warps: 180 registers, no spills. (f32 at head_dim 256 stays on sm_90's mma.sync tiles:
+    # every tcgen05 tile asked for 576 of the 512 tensor-memory columns, or spilled.)
+    "attention_jvp/h256/16bit": _(64, 32, num_warps=8, num_stages=2),
+    # linear_cross_entropy, 16-bit: dw's two stages spilled 16-200 B at 128 tokens (one stage
+    # keeps 128 tokens per step, 254 registers); dx takes the table layout's 32-wide D chunks
+    # (64 B of spills at 64).
+    "linear_cross_entropy_bwd_dw/16bit": _(128, 64, 64, num_warps=4, num_stages=1, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dx/16bit": _(64, 128, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # f32 dw: 64-wide D chunks put its dots on tcgen05 (32-wide: partly mma.sync); 255
+    # registers, no spills. The table layout keeps 32 (all tcgen05 there; 56 B of spills at
+    # 64). Under 3xTF32, 16-wide (104 B of spills at 32).
+    "linear_cross_entropy_bwd_dw/f32": _(64, 64, 64, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dw/f32/table": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dw/f32/x3": _(64, 64, 16, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # 3xTF32 (compiled): sm_90's forward at head_dim 80-128 spilled 768 B (64 x 32 on 8 warps:
+    # 255 registers, none); dk/dv at head_dim 64 376 B (32 x 64 keys first on 8 warps: 254,
+    # none); the tangent pass at head_dim 64 376 B (64 x 16 on 8 warps, tcgen05: 188, none).
+    # At head_dim 80-128 dq, dk/dv and the tangent pass keep sm_90's mma.sync tiles (every
+    # tcgen05 tile spilled 264-1912 B; dk/dv's is pinned here, as its f32 entry above
+    # changed), and at 256 the budgets in tests/test_compile.py.
+    "attention_bwd_dkdv/h128/f32/x3": _(16, 32, num_warps=8, num_stages=1),
+    "attention_fwd/h128/f32/x3": _(64, 32, num_warps=8, num_stages=1),
+    "attention_bwd_dkdv/h64/f32/x3": _(32, 64, num_warps=8, num_stages=1, keys_first=True),
+    "attention_jvp/h64/f32/x3": _(64, 16, num_warps=8, num_stages=1),
+    # group_norm's f32 sums kernel with the fused SiLU: 98 registers on sm_100 (95 on sm_90),
+    # 4 blocks per SM (5 would size its grid at 1.16 waves).
+    "group_norm_bwd/silu/f32": _(0, 2048, num_warps=8, blocks_per_sm=4),
+}
 
 _OVERRIDES: dict[str, dict[str, dict]] = {}
 

@@ -110,8 +110,10 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     tiles where the 16-bit ones spilled: on sm_90 128 query rows on 8 warps with 32-key
     blocks for dq (and the forward at head_dim 64), and for dk/dv 16 query rows against
     64 key rows at head_dim 80-128, one stage; dk/dv computes S^T = K Q^T (the table's
-    ``keys_first``) at head_dims 64 and 256 on sm_90, 256 on sm_80. Under 3xTF32 the
-    table's ``f32/x3`` tiles. The table is ``_tuning``'s.
+    ``keys_first``) at head_dims 64 and 256 on sm_90, 256 on sm_80. sm_100 (B200) takes
+    sm_90's tiles except where they compiled worse there (e.g. f32 dk/dv at head_dim 80-128
+    on 64 x 64, every dot on tcgen05). Under 3xTF32 the table's ``f32/x3`` tiles. The table
+    is ``_tuning``'s.
     """
     cfg = _tuning.attention(_KERNEL[kind], d.Hp, dtype, d.T, d.S)
     over = _BLOCKS.get()
