@@ -762,3 +762,16 @@ def test_16bit_xla_dots_upcast_only_where_lowered_for_cpu(platform, operand):
     dots = re.findall(r"stablehlo\.dot_general[^\n]*: \((tensor<[^)]*)\)", text)
     assert len(dots) == 3, dots  # the forward's y and the backward's dx and dw
     assert all(re.fullmatch(rf"tensor<\w+x{operand}>, tensor<\w+x{operand}>", d) for d in dots), dots
+
+
+@pytest.mark.parametrize("x,factor,want", [(1e-3, 1e5, 100.0625), (1e4, 1e-8, 1.0e-4), (0.5, 65536, 32768.0)])
+def test_scale_of_float16_rounds_once(x, factor, want):
+    """``scale`` multiplies in float32 and rounds once: the factor need not fit float16 (1e5
+    and 65536 overflow it, 1e-8 flushes to zero), only the product; the gradient too."""
+    x16 = jnp.float16(x)
+    want16 = jnp.float16(float(x16) * factor)
+    assert float(want16) == pytest.approx(want, rel=1e-3)
+    out, vjp = jax.vjp(lambda v: jaxbwd.scale(v, factor), x16)
+    assert out.dtype == jnp.float16 and out == want16
+    (g,) = vjp(x16)  # a cotangent of x's size: the gradient is the same product
+    assert g.dtype == jnp.float16 and g == want16

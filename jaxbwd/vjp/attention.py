@@ -498,7 +498,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     spread of ~10), ``dP - delta`` cancels and that rounding shows in dq/dk: median error
     ~1.7e-3 against ~4e-4 for autodiff of ``jax.nn.dot_product_attention`` (bf16, T=S=512,
     head dim 64, q/k ~ N(0, 9)); with flatter scores the two match. It is the price of not
-    keeping the T x S probabilities.
+    keeping the T x S probabilities. The kernels (Triton and Mosaic) round ``dS = P (dP -
+    delta)`` to the inputs' dtype for the tensor-core dots that give dq and dk (and the
+    tangent pass its ``P dS``), as FlashAttention-2 does; in float16 an entry beyond 65504
+    (a loss-scaled cotangent) makes those gradients inf, which dynamic loss scaling sees
+    and backs off from. The XLA implementation keeps dS in float32.
 
     Raises:
       TypeError: non-floating or mixed query/key/value dtypes, non-integer segment_ids or seq lengths,

@@ -137,12 +137,18 @@ def bias_add(x, bias, *, implementation=None):
 
 
 # ------------------------------------------------------------------------------- scale
+def _times(x, factor):
+    """x * factor computed in (at least) float32 and rounded once to x's dtype: a float16 x
+    times 1e5 is finite where the product fits (the factor itself does not fit float16)."""
+    return (x.astype(B.acc_dtype(x)) * factor).astype(x.dtype)
+
+
 @functools.partial(custom_op, nondiff_argnums=(1,))
 def _scale(x, factor):
-    return (x * factor).astype(x.dtype)
+    return _times(x, factor)
 
 
-_scale.defvjp(lambda x, f: (_scale.fun(x, f), None), lambda f, _, dy: ((dy * f).astype(dy.dtype),))
+_scale.defvjp(lambda x, f: (_scale.fun(x, f), None), lambda f, _, dy: (_times(dy, f),))
 _scale.deftangent(lambda f, _, dx: _scale.fun(dx, f))  # linear
 
 
@@ -154,7 +160,8 @@ def scale(x, factor, *, implementation=None):
       implementation: accepted for uniformity; the backward ``dx = dy * factor`` is XLA.
 
     Returns:
-      [...] in x's dtype. Residuals: none.
+      [...] in x's dtype, computed in float32 (float64 for float64 x) and rounded once, as
+      the gradient is. Residuals: none.
 
     Raises:
       TypeError: non-floating x; factor not a Python number (e.g. traced).

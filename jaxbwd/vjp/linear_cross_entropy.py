@@ -333,6 +333,9 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
     exponentials of its logits (f32): O(tokens) beyond x and w; no [tokens, V] array is
     saved, and none is formed: the forward and the backward walk the vocabulary in blocks
     (Pallas tiles, or XLA chunks of at most ``CHUNK_ELEMENTS`` logits) and recompute them.
+    Both round the logits' gradient ``dz`` (cotangent x token weight x ``softmax -
+    onehot``) to x's dtype for the dx and dw dots; in float16 an entry beyond 65504 makes
+    those gradients inf (dynamic loss scaling backs off from it).
 
     Raises:
       TypeError: x or w not floating, labels not integer, weights not floating, a traced

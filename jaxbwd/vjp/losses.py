@@ -326,8 +326,9 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
 
     Residuals: the gradient for a unit cotangent, ``d`` [..., V] in logits' dtype (float32
     for float16 logits), computed in the forward while the logits are on chip; the logits
-    themselves are not kept, so the saved bytes equal the logits'. The backward scales ``d``
-    by the cotangent, in place, and skips rows whose cotangent is 1. The softmax inside
+    themselves are not kept, so the saved bytes equal the logits' (twice theirs for float16).
+    The backward scales ``d`` by the cotangent, in place, and skips rows whose cotangent is
+    1 (with float16 logits every row is scaled and converted to float16: no skip). The softmax inside
     ``d`` comes from the row max and the shifted sum (not only their logsumexp), which keeps
     the gradient exact to f32 rounding at any logit offset: rows of ``softmax - onehot`` sum
     to 0 at logits of 1e6, and tied logits of 1e8 get equal probabilities.
