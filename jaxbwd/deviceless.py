@@ -13,7 +13,7 @@ every figure from what XLA wrote:
   (``num_warps``, ``num_stages``) and the cubin;
 - ``cuobjdump -res-usage`` of that cubin: registers per thread, stack frame (where spills
   go), static shared memory and local memory;
-- ``cuobjdump -sass``: the SASS instruction mix (tensor-core ``HGMMA``/``HMMA``,
+- ``cuobjdump -sass``: the SASS instruction mix (tensor-core ``HGMMA``/``HMMA``/``UTC*MMA``,
   ``MUFU.EX2``, spill stores ``STL``, libdevice ``expf`` sequences).
 
 Occupancy (blocks and warps per SM, and what limits them) and waves over the SM count are

@@ -122,8 +122,10 @@ def matmul(x, w):
 
 
 def scale(x, factor):
-    """Reference scaling ``x * factor`` by a static Python number: x's shape and dtype."""
-    return (x * factor).astype(x.dtype)
+    """Reference scaling ``x * factor`` by a static Python number: x's shape and dtype,
+    computed in float32 (float64 for float64 x) and rounded once."""
+    wide = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    return (x.astype(wide) * factor).astype(x.dtype)
 
 
 def residual_add(a, b):

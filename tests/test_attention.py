@@ -251,6 +251,28 @@ def test_3xtf32_takes_its_own_tiles(monkeypatch):
     assert tiles(att("attention_bwd_dkdv", 256, jnp.float32)) == (32, 32, 8, 1, True)
 
 
+def test_sm100_takes_its_own_tiles(monkeypatch):
+    # sm_100 (B200) has entries of its own where sm_90's compiled worse for it, and sm_90's
+    # elsewhere; its "/x3" entries, and the pinned 3xTF32 dk/dv tile its changed f32 entry
+    # would otherwise cap into a new one.
+    att = lambda kind, H, dtype: _tuning.attention(kind, H, dtype, 4096, 4096)
+    tiles = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages, c.keys_first)
+    monkeypatch.setattr(_tuning, "arch", lambda: "sm_90")
+    sm90_fwd = tiles(att("attention_fwd", 128, jnp.bfloat16))
+    monkeypatch.setattr(_tuning, "arch", lambda: "sm_100")
+    assert tiles(att("attention_fwd", 128, jnp.bfloat16)) == sm90_fwd
+    assert tiles(att("attention_bwd_dkdv", 128, jnp.float32)) == (64, 64, 8, 1, False)
+    assert tiles(att("attention_bwd_dkdv", 128, jnp.bfloat16)) == (64, 64, 4, 1, False)
+    assert tiles(att("attention_bwd_dkdv", 256, jnp.bfloat16)) == (64, 64, 8, 1, True)
+    assert tiles(att("attention_bwd_dq", 128, jnp.float32)) == (128, 32, 8, 2, False)
+    assert tiles(att("attention_jvp", 256, jnp.bfloat16)) == (64, 32, 8, 2, False)
+    with jax.default_matmul_precision("highest"):
+        assert tiles(att("attention_fwd", 128, jnp.float32)) == (64, 32, 8, 1, False)
+        assert tiles(att("attention_bwd_dkdv", 128, jnp.float32)) == (16, 32, 8, 1, False)
+        assert tiles(att("attention_bwd_dkdv", 64, jnp.float32)) == (32, 64, 8, 1, True)
+        assert tiles(att("attention_jvp", 64, jnp.float32)) == (64, 16, 8, 1, False)
+
+
 def test_non_causal_key_tail_is_masked_only_in_the_last_block():
     # S = 37 over 16-key blocks: two unmasked blocks and one tail block per query block.
     _check("pallas", 2, 20, 37, 2, 2, 32, dtype="bfloat16", blocks=(16, 16))

@@ -309,13 +309,14 @@ def test_bad_input_raises(spec, bad):
     assert spec.name in str(info.value)
 
 
+@pytest.mark.parametrize("dt", ["float32", "float16"])  # float16: a residual may be kept wider
 @pytest.mark.parametrize(
     "spec,impl",
     [pytest.param(s, i, id=f"{s.name}-{i}") for s in SPECS if s.residual_budget for i in IMPLS
      if i == "xla" or s.has_kernels],
 )
-def test_residuals_within_budget(spec, impl):
-    args, kwargs = _setup(spec, spec.examples[0], "float32")
+def test_residuals_within_budget(spec, impl, dt):
+    args, kwargs = _setup(spec, spec.examples[0], dt)
     f = _closure(spec.fn, spec, args, kwargs, impl)
     _, vjp = jax.vjp(f, *[args[i] for i in spec.diff_argnums])
     saved = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "dtype"))

@@ -222,10 +222,13 @@ def test_tuning_table_tiles(arch, precision, transpose_w, monkeypatch):
 @pytest.mark.parametrize("arch", ("sm_90", "sm_100"))
 @pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
 def test_tuning_table_tiles_16bit(arch, transpose_w, monkeypatch):
-    """The sm_90 16-bit tiles, no override: 64 x 128 (dw 128 x 64) from 64-wide D chunks (32
-    in the table layout; sm_100's dx takes 32 in both), several blocks of each, within the
-    bound of the many-block test."""
+    """The 16-bit tiles, no override: on sm_90 64 x 128 (dw 128 x 64) from 64-wide D chunks
+    (32 in the table layout); sm_100's dx takes 32 in both and its dw one stage. Several
+    blocks of each, within the bound of the many-block test."""
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
+    lce = lambda kernel: _tuning.linear_cross_entropy(kernel, jnp.bfloat16, transpose_w)  # noqa: E731
+    assert lce("linear_cross_entropy_bwd_dx").block_k == (32 if transpose_w or arch == "sm_100" else 64)
+    assert lce("linear_cross_entropy_bwd_dw").num_stages == (1 if arch == "sm_100" and not transpose_w else 2)
     x, w, labels, _ = _inputs(5, R=150, D=150, V=300, dtype=jnp.bfloat16)
     wl = w.T if transpose_w else w
 

@@ -312,7 +312,7 @@ TABLE["sm_100"] = {
     "attention_bwd_dkdv/h256/16bit": _(64, 64, num_warps=8, num_stages=1, keys_first=True),
     # The 16-bit tangent pass at head_dim 256: 64 x 16 on 4 warps spilled 40 B; 64 x 32 on 8
     # warps: 180 registers, no spills. (f32 at head_dim 256 stays on sm_90's mma.sync tiles:
-    # every tcgen05 tile asked for 576 of the 512 tensor-memory columns, or spilled.)
+    # every tcgen05 tile asked for 576-816 of the 512 tensor-memory columns, or spilled.)
     "attention_jvp/h256/16bit": _(64, 32, num_warps=8, num_stages=2),
     # linear_cross_entropy, 16-bit: dw's two stages spilled 16-200 B at 128 tokens (one stage
     # keeps 128 tokens per step, 254 registers); dx takes the table layout's 32-wide D chunks
@@ -321,7 +321,7 @@ TABLE["sm_100"] = {
     "linear_cross_entropy_bwd_dx/16bit": _(64, 128, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
     # f32 dw: 64-wide D chunks put its dots on tcgen05 (32-wide: partly mma.sync); 255
     # registers, no spills. The table layout keeps 32 (all tcgen05 there; 56 B of spills at
-    # 64). Under 3xTF32, 16-wide (104 B of spills at 32).
+    # 64). Under 3xTF32, 16-wide (104 B of spills at 32; part of its dots on mma.sync).
     "linear_cross_entropy_bwd_dw/f32": _(64, 64, 64, num_warps=4, num_stages=2, blocks_per_sm=2),
     "linear_cross_entropy_bwd_dw/f32/table": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
     "linear_cross_entropy_bwd_dw/f32/x3": _(64, 64, 16, num_warps=4, num_stages=2, blocks_per_sm=2),

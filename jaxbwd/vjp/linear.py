@@ -161,7 +161,8 @@ def scale(x, factor, *, implementation=None):
 
     Returns:
       [...] in x's dtype, computed in float32 (float64 for float64 x) and rounded once, as
-      the gradient is. Residuals: none.
+      the gradient is: the factor must fit that dtype (1e40 is inf in float32). Residuals:
+      none.
 
     Raises:
       TypeError: non-floating x; factor not a Python number (e.g. traced).
