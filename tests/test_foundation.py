@@ -105,6 +105,15 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         ({"sm_90": {"atention_fwd/h64/16bit": {"block_m": 64}}}, ValueError,
          r"sm_90: no kernel 'atention_fwd/h64/16bit' in the table \(kernels: \[.*'attention_fwd'"),
         ({"sm_70": {key: {"block_m": 64}}}, ValueError, r"architecture must be one of"),
+        # A variant no heuristic asks for would apply nowhere: refused with what could follow.
+        ({"sm_90": {"attention_fwd/h128/bf16": {"block_m": 64}}}, ValueError,
+         r"sm_90: no variant 'attention_fwd/h128/bf16' of attention_fwd \(after attention_fwd/h128/ comes "
+         r"one of: f32, 16bit\)"),
+        ({"sm_90": {"attention_fwd/h96": {"block_m": 64}}}, ValueError, r"sm_90: no variant .*after attention_fwd/ comes one of: h64, "),
+        ({"sm_90": {"linear_cross_entropy_bwd_dw/f32/x3/table": {"block_k": 16}}}, ValueError,
+         r"sm_90: no variant .*after linear_cross_entropy_bwd_dw/f32/ comes one of: x3, table"),
+        ({"sm_90": {"norm_bwd/rms/c3000": {"block_n": 2048}}}, ValueError,
+         r"sm_90: no variant .*comes one of: c1, c2, c4, c8, \.\.\., c"),
     ]
     for overrides, error, message in cases:
         with pytest.raises(error, match=r"^jaxbwd tuning: (sm_90 [a-z_/0-9]+: )?" + message):
@@ -118,6 +127,13 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
     with _tuning.use({"sm_90": {"attention_bwd_dkdv/h64/f32": {"keys_first": False}}}):
         assert not _tuning.get("attention_bwd_dkdv/h64/f32").keys_first
     assert _tuning.get("attention_bwd_dkdv/h64/f32").keys_first
+    # A prefix applies to every key under it, the more specific override last.
+    over = {"attention_fwd/h128": {"num_stages": 4}, "attention_fwd/h128/f32": {"num_stages": 5}}
+    h64 = _tuning.get("attention_fwd/h64/16bit")
+    with _tuning.use({"sm_90": over}):
+        assert _tuning.get("attention_fwd/h128/16bit").num_stages == 4
+        assert _tuning.get("attention_fwd/h128/f32/x3").num_stages == 5
+        assert _tuning.get("attention_fwd/h64/16bit") == h64
     # From a file: the file is named, and JSON that does not parse is a ValueError too.
     bad = tmp_path / "tuning.json"
     bad.write_text("{bad json")
@@ -130,6 +146,20 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
     env = dict(os.environ, JAXBWD_TUNING=str(bad))
     out = subprocess.run([sys.executable, "-c", "import jaxbwd"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "ValueError: jaxbwd: JAXBWD_TUNING: jaxbwd tuning file" in out.stderr
+
+
+@pytest.mark.parametrize("arch", sorted(_tuning.TABLE))
+def test_tuning_table_serves_every_request(arch, monkeypatch):
+    """Every key the heuristics can ask for resolves on every architecture, and every table
+    entry is reached by some request (an entry under a misspelt variant would never be used)."""
+    monkeypatch.setattr(_tuning, "arch", lambda: arch)
+    keys = _tuning.requests()
+    for key in keys:
+        assert isinstance(_tuning.get(key), _tuning.Config), key
+    unreached = [k for k in _tuning.TABLE[arch] if k not in keys and not any(r.startswith(k + "/") for r in keys)]
+    assert not unreached, f"{arch}: table entries no heuristic asks for: {unreached}"
+    with pytest.raises(KeyError, match=r"'attention_fwd/h128/bf16' is not a launch configuration the heuristics ask"):
+        _tuning.get("attention_fwd/h128/bf16")
 
 
 def test_pallas_on_cpu_without_interpret_fails_clearly():

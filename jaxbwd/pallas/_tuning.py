@@ -18,12 +18,17 @@ a kernel that compiles to fewer blocks per SM than its entry says runs more wave
 
 A JSON file of measured winners (``bench/gpu_check.sh`` writes one) overrides entries:
 ``{"sm_90": {"conv2d_dgrad/16bit": {"block_k": 128, "num_stages": 4}}}``; it is read from
-``$JAXBWD_TUNING`` at import, by :func:`load`, or applied for a block with :func:`use`.
+``$JAXBWD_TUNING`` at import, by :func:`load`, or applied for a block with :func:`use`. An
+override's key is a key the heuristics ask for (:func:`requests`) or a prefix of some at a
+"/" (``"attention_fwd/h128"``: every head_dim-128 forward), and applies to each key it is a
+prefix of; any other key (a misspelt kernel or variant, which would apply nowhere) is
+refused with the variants that could follow.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from typing import Iterator, Mapping
@@ -350,9 +355,16 @@ def arch() -> str:
 
 
 def get(key: str) -> Config:
-    """The table entry ``key`` (``"kernel/variant"``) for the current architecture, with any
-    loaded override applied; a variant missing from the table falls back to its shorter
-    prefixes (``"a/b/c"`` -> ``"a/b"`` -> ``"a"``)."""
+    """The table entry ``key`` (``"kernel/variant"``, one of :func:`requests`) for the current
+    architecture, with any loaded override applied; a variant missing from the table falls
+    back to its shorter prefixes (``"a/b/c"`` -> ``"a/b"`` -> ``"a"``). Overrides apply from
+    the shortest prefix to ``key`` itself, so the more specific one wins.
+
+    Raises: KeyError for a key that is not one of :func:`requests` (a heuristic asking for a
+    variant the override check would not know) or that the table has no prefix of."""
+    if key not in requests():
+        raise KeyError(f"jaxbwd: {key!r} is not a launch configuration the heuristics ask for "
+                       f"(_tuning.requests)")
     a = arch()
     table = TABLE[a]
     k = key
@@ -362,16 +374,18 @@ def get(key: str) -> Config:
         raise KeyError(f"jaxbwd: no launch configuration {key!r} for {a}")
     cfg = table[k]
     over = _OVERRIDES.get(a, {})
-    for k in (key.split("/")[0], k, key):  # the more specific the key, the later it applies
-        if k in over:
-            cfg = dataclasses.replace(cfg, **over[k])
+    parts = key.split("/")
+    for n in range(1, len(parts) + 1):
+        prefix = "/".join(parts[:n])
+        if prefix in over:
+            cfg = dataclasses.replace(cfg, **over[prefix])
     return cfg
 
 
 def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, dict[str, dict]]:
-    """``{arch: {key: {field: value}}}`` checked: known architectures, keys whose kernel (the
-    part before the first "/") has an entry for that architecture (a misspelt one would be
-    ignored), known fields, and positive ints (powers of two for block sizes and warps, as
+    """``{arch: {key: {field: value}}}`` checked: known architectures, keys that are one of
+    :func:`requests` or a prefix of one at a "/" (any other key would match nothing and be
+    ignored: a misspelt kernel or variant), known fields, and positive ints (powers of two for block sizes and warps, as
     Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises TypeError/ValueError naming ``where``."""
     def mapping(value, what):
         if not isinstance(value, Mapping):
@@ -385,10 +399,8 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
     for a, entries in mapping(data, "the overrides").items():
         if a not in TABLE:
             raise ValueError(f"{where}: architecture must be one of {sorted(TABLE)}, got {a!r}")
-        kernels = {k.split("/")[0] for k in TABLE[a]}
         for key, vals in mapping(entries, f"{a}'s entries").items():
-            if not isinstance(key, str) or key.split("/")[0] not in kernels:
-                raise ValueError(f"{where}: {a}: no kernel {key!r} in the table (kernels: {sorted(kernels)})")
+            _check_key(key, f"{where}: {a}")
             bad = set(mapping(vals, f"{a} {key}")) - fields
             if bad:
                 raise ValueError(f"{where}: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
@@ -403,6 +415,25 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
                     raise ValueError(f"{where}: {a} {key}: {name} must be {want}, got {v!r}")
             out.setdefault(a, {})[key] = dict(vals)
     return out
+
+
+def _check_key(key, where: str) -> None:
+    """Raises ValueError unless ``key`` is one of :func:`requests` or a "/"-prefix of one,
+    naming the variants that could follow its longest valid prefix."""
+    keys = requests()
+    kernels = sorted({k.split("/")[0] for k in keys})
+    if not isinstance(key, str) or key.split("/")[0] not in kernels:
+        raise ValueError(f"{where}: no kernel {key!r} in the table (kernels: {kernels})")
+    if key in keys or any(k.startswith(key + "/") for k in keys):
+        return
+    parts = key.split("/")
+    stem = max(("/".join(parts[:n]) for n in range(1, len(parts))),
+               key=lambda p: any(k.startswith(p + "/") for k in keys) * len(p))
+    nxt = sorted({k[len(stem) + 1:].split("/")[0] for k in keys if k.startswith(stem + "/")},
+                 key=lambda v: (len(v), v))
+    shown = nxt if len(nxt) <= 8 else nxt[:4] + ["...", nxt[-1]]
+    raise ValueError(f"{where}: no variant {key!r} of {parts[0]} (after {stem}/ comes one of: "
+                     f"{', '.join(shown)})")
 
 
 def load(path: str) -> None:
@@ -434,17 +465,32 @@ def use(overrides: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Iterator[No
         _OVERRIDES.update(saved)
 
 
-if os.environ.get("JAXBWD_TUNING"):
-    try:
-        load(os.environ["JAXBWD_TUNING"])
-    except OSError as e:  # at import: say which setting named the file
-        raise OSError(e.errno, f"jaxbwd: JAXBWD_TUNING names a file that cannot be read ({e.strerror})",
-                      os.environ["JAXBWD_TUNING"]) from e
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"jaxbwd: JAXBWD_TUNING: {e}") from None
-
-
 # ------------------------------------------------------------------------ heuristics
+
+
+_ATTENTION_KERNELS = ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "attention_jvp")
+_LCE_KERNELS = ("linear_cross_entropy_fwd", "linear_cross_entropy_bwd_dx", "linear_cross_entropy_bwd_dw")
+_COLUMN_SUM_KERNELS = ("bias_add_dbias", "bias_dropout_add_bwd", "batch_norm_bwd_reduce")
+_DTYPES = ("16bit", "f32", "f32/x3")  # _bits(dtype) + _x3(dtype)
+
+
+@functools.cache
+def requests() -> frozenset[str]:
+    """Every key the heuristics below can ask :func:`get` for (``get`` refuses any other, so
+    the tests that run the kernels keep this set complete). An override's key must be one
+    of these or a prefix of one at a "/".
+
+    Returns: frozenset of str, e.g. ``"attention_bwd_dkdv/h128/f32/x3"``, ``"norm_bwd"``,
+    ``"linear_cross_entropy_bwd_dw/f32/table/x3"``, ``"norm_bwd/rms/c4096/chunked"`` (``c``:
+    any power of two up to 2**30)."""
+    keys = {f"{k}/h{h}/{d}" for k in _ATTENTION_KERNELS for h in (64, 128, 256) for d in _DTYPES}
+    keys |= {f"{k}/{b}{t}{x}" for k in _LCE_KERNELS for b, x in (("16bit", ""), ("f32", ""), ("f32", "/x3"))
+             for t in ("", "/table")}
+    keys |= {f"{k}/{d}" for k in _COLUMN_SUM_KERNELS for d in ("16bit", "f32")}
+    keys |= {f"{k}/{d}" for k in ("conv2d_dgrad", "conv2d_wgrad") for d in _DTYPES + ("depthwise",)}
+    keys |= {f"group_norm_bwd/{s}{d}" for s in ("", "silu/") for d in ("16bit", "f32")}
+    keys |= {"norm_bwd"} | {f"norm_bwd/{n}/c{2 ** i}{c}" for n in ("layer", "rms") for i in range(31) for c in ("", "/chunked")}
+    return frozenset(keys)
 
 
 def _bits(dtype) -> str:
@@ -542,3 +588,14 @@ def norm_bwd(n_rows: int, n_cols: int, centered: bool = True) -> tuple[C.RowTili
     block_rows = max(1, min(4096 // block_cols, 64, C.next_pow2(n_rows)))
     warps = max(1, min(cfg.num_warps, block_rows * block_cols // 512))
     return C.RowTiling(n_rows, n_cols, block_rows, block_cols, warps), cfg
+
+
+# Measured winners named by the environment, checked against the heuristics' keys above.
+if os.environ.get("JAXBWD_TUNING"):
+    try:
+        load(os.environ["JAXBWD_TUNING"])
+    except OSError as e:  # at import: say which setting named the file
+        raise OSError(e.errno, f"jaxbwd: JAXBWD_TUNING names a file that cannot be read ({e.strerror})",
+                      os.environ["JAXBWD_TUNING"]) from e
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"jaxbwd: JAXBWD_TUNING: {e}") from None
