@@ -102,6 +102,7 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be a power of two, got 48"),
         ({"sm_90": {key: {"num_stages": 0}}}, ValueError, r"num_stages must be an int >= 1, got 0"),
         ({"sm_90": {key: {"keys_first": 1}}}, ValueError, r"keys_first must be true or false, got 1"),
+        ({"sm_90": {key: {"keys_first": True}}}, ValueError, r"keys_first applies to attention_bwd_dkdv only"),
         ({"sm_90": {"atention_fwd/h64/16bit": {"block_m": 64}}}, ValueError,
          r"sm_90: no kernel 'atention_fwd/h64/16bit' in the table \(kernels: \[.*'attention_fwd'"),
         ({"sm_70": {key: {"block_m": 64}}}, ValueError, r"architecture must be one of"),

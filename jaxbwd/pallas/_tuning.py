@@ -386,7 +386,8 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
     """``{arch: {key: {field: value}}}`` checked: known architectures, keys that are one of
     :func:`requests` or a prefix of one at a "/" (any other key would match nothing and be
     ignored: a misspelt kernel or variant), known fields, and positive ints (powers of two for block sizes and warps, as
-    Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises TypeError/ValueError naming ``where``."""
+    Triton's tiles and launches need) or, for ``keys_first``, a bool (attention_bwd_dkdv
+    only). Raises TypeError/ValueError naming ``where``."""
     def mapping(value, what):
         if not isinstance(value, Mapping):
             raise TypeError(f"{where}: {what} must be a mapping (a JSON object), got {type(value).__name__}: "
@@ -408,6 +409,9 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
                 if name in flags:
                     if not isinstance(v, bool):
                         raise ValueError(f"{where}: {a} {key}: {name} must be true or false, got {v!r}")
+                    if name == "keys_first" and key.split("/")[0] != "attention_bwd_dkdv":
+                        raise ValueError(f"{where}: {a} {key}: keys_first applies to attention_bwd_dkdv only "
+                                         f"(the other kernels would ignore it)")
                     continue
                 pow2 = name.startswith("block_") or name == "num_warps"
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
