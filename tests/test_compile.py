@@ -81,9 +81,7 @@ _LCE_DENSE = ("4093x2048@32000", "8192x2048@128256", "8192x2048@256000", "8192x4
 MIXED_MMA_SYNC = {
     ("attention_bwd_dkdv", "bfloat16", X256, "h200"): 64,  # S, dP on 32 query rows
     **{("attention_bwd_dkdv", "float32", c, "h200"): 32 for c in (X80, X128)},  # 16 query rows
-    **{("linear_cross_entropy_bwd_dw", "float32", c, "h200"): 64 for c in _LCE_DENSE},  # 32-wide D chunks
-    **{("linear_cross_entropy_bwd_dw", "float32", "highest:" + c, g): n
-       for c in _LCE_DENSE for g, n in (("h200", 192), ("b200", 96))},  # 16-wide D chunks
+    **{("linear_cross_entropy_bwd_dw", "float32", "highest:" + c, "b200"): 96 for c in _LCE_DENSE},  # 16-wide D chunks
 }
 # Main-loop SASS instructions per unique score element (deviceless.main_loop's counting rule)
 # at head_dim 128, bf16, H200 and B200: at most 18 in the forward, 27 in dk/dv, 22 in dq.

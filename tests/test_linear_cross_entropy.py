@@ -199,22 +199,24 @@ def _assert_within_bf16_ulps(got, want, dtype, n):
         np.testing.assert_array_less(np.abs(g - e) / ulp, n)
 
 
-@pytest.mark.parametrize("arch,precision", (("sm_90", None), ("sm_80", None), ("sm_80", "highest"), ("sm_100", None),
-                                            ("sm_100", "highest")))
+@pytest.mark.parametrize("arch,precision", (("sm_90", None), ("sm_90", "highest"), ("sm_80", None), ("sm_80", "highest"),
+                                            ("sm_100", None), ("sm_100", "highest")))
 @pytest.mark.parametrize("transpose_w", (False, True), ids=("dense", "tied"))
 def test_tuning_table_tiles(arch, precision, transpose_w, monkeypatch):
     """The tuning table's own tiles, no block override (f32: 64 x 64 x 32 on sm_90, 64 x 128
-    x 64 on 8 warps on sm_80, 64 x 64 x 16 there under 3xTF32; sm_100's dw from 64-wide D
-    chunks in the dense layout): several token, vocabulary and D blocks in every kernel,
-    with ragged tails. (At this V the forward has one split and each dw program one
+    x 64 on 8 warps on sm_80, 64 x 64 x 16 there under 3xTF32; sm_90's and sm_100's dw from
+    64-wide D chunks in the dense layout, sm_90's with one stage): several token, vocabulary
+    and D blocks in every kernel, with ragged tails. (At this V the forward has one split and each dw program one
     vocabulary block; several of each are tested under ``block_sizes`` above.)"""
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         assert _tuning.linear_cross_entropy("linear_cross_entropy_bwd_dx", jnp.float32, transpose_w).block_k == (
             (16 if precision else 64) if arch == "sm_80" else 32)
+        dw = _tuning.linear_cross_entropy("linear_cross_entropy_bwd_dw", jnp.float32, transpose_w)
         if arch == "sm_100" and not precision:
-            assert _tuning.linear_cross_entropy("linear_cross_entropy_bwd_dw", jnp.float32, transpose_w).block_k == (
-                32 if transpose_w else 64)
+            assert dw.block_k == (32 if transpose_w else 64)
+        if arch == "sm_90":
+            assert (dw.block_k, dw.num_stages) == ((16 if precision else 32, 2) if transpose_w else (64, 1))
         _check(dict(label_smoothing=0.1, logit_softcap=4.0), "pallas", transpose_w=transpose_w,
                R=150, D=150, V=300)
 

@@ -135,7 +135,13 @@ _LCE_SM90 = {
     # 167-255 in the backward (2-3).
     "linear_cross_entropy_fwd/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=3),
     "linear_cross_entropy_bwd_dx/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
-    "linear_cross_entropy_bwd_dw/f32": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
+    # dw's x^T dz dot has the D chunk as its M: 32-wide chunks ran it on mma.sync (64 HMMA,
+    # 192 under 3xTF32). 64-wide chunks put it on wgmma; with two stages they spilled about
+    # 1 KB, with one: 194 registers (228 under 3xTF32), no spills, main loop 179 -> 247
+    # instructions per step for twice the D (2026-12-06). The table layout keeps 32 (all
+    # wgmma there already, two stages).
+    "linear_cross_entropy_bwd_dw/f32": _(64, 64, 64, num_warps=4, num_stages=1, blocks_per_sm=2),
+    "linear_cross_entropy_bwd_dw/f32/table": _(64, 64, 32, num_warps=4, num_stages=2, blocks_per_sm=2),
     # Under 3xTF32 the table layout's dw spilled 8 B; 16-wide D chunks: 202 registers.
     "linear_cross_entropy_bwd_dw/f32/table/x3": _(64, 64, 16, num_warps=4, num_stages=2, blocks_per_sm=2),
 }
