@@ -1,6 +1,8 @@
 """Sweeps a few launch configurations of the hot kernels on the GPU at hand and writes the
 fastest per tuning-table key as JSON that ``jaxbwd.pallas._tuning.load`` reads
-(``JAXBWD_TUNING=path``); also times conv2d's backward against XLA's (cuDNN) in bf16.
+(``JAXBWD_TUNING=path``); also times conv2d's backward against XLA's (cuDNN) in bf16. The
+table's own configuration of each key is timed first, and a key is written only where a
+candidate beat it.
 
 Attention (B=2, N=16, H=128, T=4096, causal, bf16) is timed fwd+bwd, so a dk/dv or dq
 configuration is judged by the whole step it changes; conv2d at the UNet shape
@@ -18,6 +20,7 @@ nothing written (as bench/mosaic_attention.py does), so that bench/gpu_check.sh 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -38,7 +41,9 @@ F = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "blocks_per_sm"
 SWEEPS = {
     "attention_fwd/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (128, 128, 0, 8, 2), (64, 64, 0, 4, 2)],
     "attention_bwd_dq/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (64, 64, 0, 8, 2), (128, 32, 0, 8, 2)],
-    "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2)],
+    # (64 x 64 on 4 warps with 2 stages: sm_90's entry; sm_100's takes 1 stage, 2 spilled 16 B.)
+    "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2),
+                                      (64, 64, 0, 4, 2)],
     "conv2d_dgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3)],
     "conv2d_wgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)],
     # linear_cross_entropy: block_m tokens, block_n vocabulary columns, block_k the D chunk. 128
@@ -100,6 +105,33 @@ def _time(f, args, repeats):
     return median_time(step, *inputs, ct, repeats=repeats, warmup=1)
 
 
+def sweep(key: str, candidates, time_one):
+    """Times the tuning table's own configuration of ``key`` (as ``config`` None) and then each
+    candidate (a tuple in ``F``'s order, zeros left out) that differs from it;
+    ``time_one(override) -> seconds`` may raise where a configuration does not compile.
+
+    Returns ``(override, rows)``: the fastest candidate's override, or None where the
+    table's own configuration was fastest (or the only one that ran), so that the JSON never
+    replaces an entry by a slower configuration; and one row per configuration timed
+    (``key``, ``config``, ``ms``) or failed (``error`` instead of ``ms``)."""
+    own = _tuning.get(key)
+    overs = [None]
+    for c in candidates:
+        over = {f: v for f, v in zip(F, c) if v}
+        if dataclasses.replace(own, **over) != own and over not in overs:
+            overs.append(over)
+    rows, timed = [], []
+    for over in overs:
+        try:
+            t = time_one(over or {})
+        except Exception as e:  # a configuration over the shared memory or register limits
+            rows.append({"key": key, "config": over, "error": type(e).__name__})
+            continue
+        rows.append({"key": key, "config": over, "ms": t * 1e3})
+        timed.append((t, len(timed), over))
+    return (min(timed)[2] if timed else None), rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=_cli.description(__doc__))
     # --json is required, but checked after the GPU: without one, that is all there is to say.
@@ -122,20 +154,21 @@ def main(argv=None) -> int:
         if op not in cases:
             continue
         inputs, flops, impls = cases[op]
-        timed = []
-        for c in candidates:
-            over = {f: v for f, v in zip(F, c) if v}
-            try:
-                with _tuning.use({arch: {key: over}}):
-                    t = _time(impls["jaxbwd"], inputs, args.repeats)
-            except Exception as e:  # a configuration over the shared memory or register limits
-                print(f"{key:36s} {c}  failed: {type(e).__name__}")
+
+        def time_one(over, key=key, inputs=inputs, impl=impls["jaxbwd"]):
+            with _tuning.use({arch: {key: over}}):
+                return _time(impl, inputs, args.repeats)
+
+        won, rows = sweep(key, candidates, time_one)
+        for r in rows:
+            label = "table" if r["config"] is None else tuple(r["config"].values())
+            if "ms" not in r:
+                print(f"{key:36s} {label}  failed: {r['error']}")
                 continue
-            timed.append((t, over))
-            log.append({"key": key, "config": over, "ms": t * 1e3, "tflop_s": flops / t / 1e12})
-            print(f"{key:36s} {c}  {t * 1e3:8.3f} ms  {flops / t / 1e12:6.1f} TFLOP/s")
-        if timed:
-            best[key] = min(timed, key=lambda r: r[0])[1]
+            log.append({**r, "tflop_s": flops / r["ms"] * 1e-9})
+            print(f"{key:36s} {label}  {r['ms']:8.3f} ms  {flops / r['ms'] * 1e-9:6.1f} TFLOP/s")
+        if won is not None:
+            best[key] = won
     with _tuning.use({arch: best}):
         for name, (inputs, flops, impls) in cases.items():
             for impl, f in impls.items():

@@ -148,6 +148,52 @@ def test_tune_help_has_the_whole_first_paragraph():
     assert "conv2d's backward against XLA's (cuDNN) in bf16." in " ".join(r.stdout.split()), r.stdout
 
 
+def _tune_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports bench/_cli.py
+    spec = importlib.util.spec_from_file_location("bench_tune", BENCH / "tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    return tune
+
+
+def test_tune_keeps_the_table_entry_unless_a_candidate_beats_it(monkeypatch):
+    from jaxbwd.pallas import _tuning
+
+    tune = _tune_module(monkeypatch)
+    key = "attention_bwd_dkdv/h128/16bit"
+    own = _tuning.get(key)  # sm_90's: 64 x 64 on 4 warps, 2 stages
+    same = (own.block_m, own.block_n, 0, own.num_warps, own.num_stages)
+    faster, slower, broken = (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2)
+    times = {None: 1.0, faster: 0.5, slower: 2.0}
+
+    def time_one(over, speedup=True):
+        c = tuple(over.get(f, 0) for f in tune.F[:5]) if over else None
+        if c == broken:
+            raise RuntimeError("shared memory")
+        return times[c] if speedup or c is None else 3.0
+
+    won, rows = tune.sweep(key, [same, faster, slower, broken], time_one)
+    assert won == {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    assert [r["config"] for r in rows][0] is None and len(rows) == 4  # the table's own once, not again as `same`
+    assert rows[-1]["error"] == "RuntimeError" and "ms" not in rows[-1]
+    won, rows = tune.sweep(key, [same, faster, slower], lambda over: time_one(over, speedup=False))
+    assert won is None and rows[0]["ms"] == 1000.0  # the table's entry was fastest: nothing written
+    assert tune.sweep(key, [broken], time_one)[0] is None
+
+
+def test_tune_sweeps_valid_keys_and_configurations(monkeypatch):
+    """Every key and candidate of bench/tune.py's sweeps passes the tuning table's override
+    check (a refused one would be reported as a failed configuration on the GPU)."""
+    from jaxbwd.pallas import _tuning
+
+    tune = _tune_module(monkeypatch)
+    for key, candidates in tune.SWEEPS.items():
+        assert key in _tuning.requests(), key
+        for c in candidates:
+            with _tuning.use({"sm_90": {key: {f: v for f, v in zip(tune.F, c) if v}}}):
+                pass
+
+
 # ------------------------------------------------------------------ whole_model.py
 
 def test_whole_model_head_memory_gpu_needs_head_memory():
