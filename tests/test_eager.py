@@ -1,5 +1,5 @@
-"""Eager (un-jitted) calls: after the first call at a shape, calling an op again, its vjp or
-its jvp compiles nothing on the XLA path. An XLA formula whose ``lax.scan`` body is a closure
+"""Eager (un-jitted) calls: after the first calls at a shape, calling an op again, its vjp or
+its jvp compiles nothing, on the XLA path and on the Pallas path. An XLA formula whose ``lax.scan`` body is a closure
 made per call misses JAX's scan cache and recompiles on every call (attention and
 linear_cross_entropy did: 1-2 compiles and 90-230 ms per eager call at test sizes)."""
 from __future__ import annotations
@@ -47,6 +47,55 @@ def test_eager_calls_compile_once(spec):
         assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_eager_pallas_calls_compile_once(spec):
+    """The Pallas path (interpret mode here): a kernel launched outside ``jax.jit`` runs through
+    a jit kept per kernel and settings (``_common.call``), so a repeated eager call compiles
+    nothing (each compiled its kernels again: 0.26-1.9 s per call before)."""
+    args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
+    diff = [args[i] for i in spec.diff_argnums]
+    f = spec.bind(args, kwargs, implementation="pallas")
+    calls = {"forward": lambda: f(*diff), "vjp": lambda: jax.vjp(f, *diff)[1](f(*diff))}
+    if FORWARD_MODE and spec.forward_mode:
+        calls["jvp"] = lambda: jax.jvp(f, tuple(diff), tuple(diff))
+    for name, call in calls.items():
+        for _ in range(2):  # the first calls compile (JAX's tracing context settles after one)
+            jax.block_until_ready(call())
+        with _compiles() as count:
+            jax.block_until_ready(call())
+        assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
+
+
+_TRACED = []
+
+
+def _dot_kernel(x_ref, y_ref, o_ref):
+    from jaxbwd.pallas import _common as C
+
+    _TRACED.append(jax.config.jax_default_matmul_precision)  # once per trace of the kernel body
+    o_ref[...] = C.dot(x_ref[...], y_ref[...])
+
+
+def test_eager_pallas_launch_follows_matmul_precision():
+    """The jit kept per launch (``_common.call``) traces its kernel once per setting: again
+    under another ``jax.default_matmul_precision`` (f32 dots follow it), with the same key, so
+    the cache never runs a TF32 kernel for 'highest'; and not at all on a repeated call."""
+    from jaxbwd.pallas import _common as C
+
+    x = jnp.ones((16, 16))
+    launch = lambda: C.call(_dot_kernel, name="eager_dot_test", grid=(1,),  # noqa: E731
+                            out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32), interpret=True)(x, x)
+    launch()
+    _TRACED.clear()  # (JAX's tracing context may change once after a process's first jit)
+    launch(), launch(), launch()
+    assert _TRACED in ([], [None]), _TRACED
+    n = len(_TRACED)
+    with jax.default_matmul_precision("highest"):
+        launch(), launch()
+    assert _TRACED[n:] == ["highest"], _TRACED  # (f32_dot_precision: 3xTF32 on a GPU)
+    assert sum(k is not None and "eager_dot_test" in repr(k) for k in C._LAUNCHERS) == 1
+
+
 def test_block_settings_changed_after_a_call_take_effect(monkeypatch):
     """The cached jits take attention's key block and linear_cross_entropy's chunk width as
     static arguments read at each call: a setting changed after a call at the same shapes
@@ -77,3 +126,30 @@ def test_block_settings_changed_after_a_call_take_effect(monkeypatch):
     with L.chunk_size(16):
         jaxbwd.linear_cross_entropy(x, w, lab, implementation="xla")
     assert seen == [16]
+
+
+def test_launch_keys_tell_kernels_apart():
+    """Two launches share a cached jit only where their kernels and settings are the same:
+    values by type and repr (0.0 and -0.0, 1 and True apart), functions by code and closure
+    contents; arrays are never part of a key (such a launch compiles per call)."""
+    import functools
+
+    import numpy as np
+
+    from jaxbwd.pallas import _common as C
+
+    def kernel(x_ref, o_ref, *, scale):
+        o_ref[...] = x_ref[...] * scale
+
+    def make(c):
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * c
+        return body
+
+    key = lambda k, **kw: C._launch_key(k, "t", (1,), jax.ShapeDtypeStruct((8,), jnp.float32), True, 4, None,  # noqa: E731
+                                        0, 0, 0, None, None)
+    part = lambda v: key(functools.partial(kernel, scale=v))  # noqa: E731
+    assert part(2.0) == part(2.0) and part(0.0) != part(-0.0) and part(1) != part(True) and part(1) != part(1.0)
+    assert key(make(2.0)) == key(make(2.0)) and key(make(2.0)) != key(make(3.0))
+    assert part(np.ones(3)) is None and key(make(jnp.ones(3))) is None
+    assert key(kernel) != key(make(2.0))

@@ -132,6 +132,23 @@ def test_wide_head_dims_split_dk_dv_bf16(case):
 
 
 @needs_mosaic
+@needs_mosaic
+def test_repeated_eager_calls_compile_nothing():
+    """Mosaic kernels launched outside ``jax.jit`` run through the same per-launch jit cache as
+    the Triton ones (``_common.call``): a repeated eager forward and grad compile nothing
+    (2 and 6 compilations per call before)."""
+    import test_eager
+
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 128, 2, 64), jnp.bfloat16)
+    att = lambda q: dot_product_attention(q, q, q, is_causal=True, implementation="pallas:mosaic")  # noqa: E731
+    for call in (lambda: att(q), lambda: jax.grad(lambda q: att(q).astype(jnp.float32).sum())(q)):
+        for _ in range(2):
+            jax.block_until_ready(call())
+        with test_eager._compiles() as count:
+            jax.block_until_ready(call())
+        assert count[0] == 0
+
+
 def test_residuals_shared_with_triton():
     # Same residual contract: the Mosaic forward's lse equals the Triton forward's, and the
     # Mosaic backward from Triton's residuals matches the Triton backward.

@@ -10,11 +10,16 @@ compiler parameters) in this file so that a Mosaic GPU variant can sit beside it
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
+import enum
+import functools
 import inspect
 import math
+import threading
+import types
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -427,12 +432,17 @@ def call(
     ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
     call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
     _check_can_run(name, interpret)
+    key = _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops, transcendentals,
+                      bytes_accessed, input_output_aliases, metadata)
 
     def launch(*args):
         args, out = _vary_together(args, out_shape)
         token = _INTERPRETING.set(bool(interpret))
         try:
-            return _launch(args, out)
+            leaves = jax.tree_util.tree_leaves(args)
+            if key is None or any(isinstance(a, jax.core.Tracer) for a in leaves):
+                return _launch(args, out)  # traced: the enclosing jit compiles it once
+            return _cached_launcher(key, lambda: jax.jit(lambda *a: _launch(a, out)))(*args)
         finally:
             _INTERPRETING.reset(token)
 
@@ -457,6 +467,83 @@ def call(
 
 
 _PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).parameters
+
+# Eager (un-jitted) launches: ``pl.pallas_call`` traces its kernel anew on every call, and the
+# new kernel jaxpr misses JAX's primitive cache, so each eager call (a backward run outside
+# ``jax.jit``) lowered and compiled the kernel again (0.26-1.9 s per call in interpret mode,
+# bench/results/2026-12-05-eager-calls.md). A launch whose kernel and settings have a static
+# key (below) runs through a ``jax.jit`` kept per key, whose own cache adds the operands'
+# shapes and dtypes and JAX's trace-time settings (matmul precision, x64). As with any jit,
+# module globals a kernel body reads are taken as they were when it was first traced.
+# Bounded: least recently used first out.
+_LAUNCHERS: "collections.OrderedDict[Any, Callable]" = collections.OrderedDict()
+_LAUNCHERS_MAX = 128
+_LAUNCHERS_LOCK = threading.Lock()
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _static(x, depth: int = 0):
+    """A hashable stand-in for ``x`` equal for two values exactly when they build the same
+    kernel: scalars and dtypes by value, containers and frozen dataclasses by their items,
+    functions by code, defaults and closure contents, other objects without value equality
+    by identity. Raises _Unkeyable for arrays and for objects whose equality is their own."""
+    if depth > 24:
+        raise _Unkeyable
+    rec = lambda v: _static(v, depth + 1)  # noqa: E731
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # -0.0 apart from 0.0, nan equal to nan
+    if x is None or isinstance(x, (bool, int, str, bytes)):
+        return (type(x), x)
+    if isinstance(x, (type, enum.Enum, jnp.dtype)):
+        return x
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(rec(v) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple(sorted(((k, rec(v)) for k, v in x.items()), key=lambda kv: repr(kv[0]))))
+    if isinstance(x, functools.partial):
+        return (functools.partial, rec(x.func), rec(x.args), rec(x.keywords))
+    if isinstance(x, types.FunctionType):
+        try:
+            cells = tuple(rec(c.cell_contents) for c in x.__closure__ or ())
+        except ValueError:  # an empty cell: a closure variable not assigned yet
+            raise _Unkeyable from None
+        return (types.FunctionType, x.__module__, x.__qualname__, x.__code__, rec(x.__defaults__),
+                rec(x.__kwdefaults__), cells)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(rec(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (jax.ShapeDtypeStruct, tuple(x.shape), jnp.dtype(x.dtype), bool(getattr(x, "weak_type", False)),
+                getattr(x, "sharding", None))
+    if type(x).__eq__ is object.__eq__ and type(x).__hash__ is object.__hash__:
+        return ("identity", x)  # kept alive by the key, so no other object can match it
+    raise _Unkeyable
+
+
+def _launch_key(*parts):
+    """The cache key of a launch, or None where a part has none (the launch then compiles per
+    call, as before)."""
+    try:
+        key = _static(parts)
+        hash(key)
+    except (_Unkeyable, TypeError):
+        return None
+    return key
+
+
+def _cached_launcher(key, make: Callable[[], Callable]) -> Callable:
+    """The launcher kept under ``key`` (``make()`` the first time), most recently used last."""
+    with _LAUNCHERS_LOCK:  # eager calls may come from several threads
+        f = _LAUNCHERS.get(key)
+        if f is None:
+            f = _LAUNCHERS[key] = make()
+            while len(_LAUNCHERS) > _LAUNCHERS_MAX:
+                _LAUNCHERS.popitem(last=False)
+        else:
+            _LAUNCHERS.move_to_end(key)
+        return f
 
 
 def _vary_together(args, out_shape):

@@ -29,6 +29,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax._src.state import types as state_types
 
+from jaxbwd.pallas import _common as C
+
 # wgmma's M is 64 rows per warpgroup; a CTA holds CONSUMERS of them (FA3's two consumer
 # warpgroups, which let one warpgroup's softmax overlap the other's wgmma).
 WG_ROWS = 64
@@ -162,10 +164,14 @@ def kernel(body: Callable[..., None], *, name: str, out_type: Any, grid: Sequenc
         interpret=interpret_params(consumers) if interpret else None,
     )
 
+    key = C._launch_key(body, name, out_type, grid, grid_names, scratch, interpret, consumers)
+
     def launch(*args):
         token = _INTERPRETING.set(bool(interpret))
         try:
-            return call(*args)
+            if key is None or any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):
+                return call(*args)
+            return C._cached_launcher(key, lambda: jax.jit(call))(*args)  # eager: see _common.call
         finally:
             _INTERPRETING.reset(token)
 
