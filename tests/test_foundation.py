@@ -101,8 +101,18 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         ({"sm_90": {key: {"block_m": -64}}}, ValueError, r"block_m must be a power of two, got -64"),
         ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be a power of two, got 48"),
         ({"sm_90": {key: {"num_stages": 0}}}, ValueError, r"num_stages must be an int >= 1, got 0"),
-        ({"sm_90": {key: {"keys_first": 1}}}, ValueError, r"keys_first must be true or false, got 1"),
-        ({"sm_90": {key: {"keys_first": True}}}, ValueError, r"keys_first applies to attention_bwd_dkdv only"),
+        ({"sm_90": {"attention_bwd_dkdv/h64/f32": {"keys_first": 1}}}, ValueError,
+         r"keys_first must be true or false, got 1"),
+        # A field the kernel there does not read would be ignored: refused, naming what it reads.
+        ({"sm_90": {key: {"keys_first": True}}}, ValueError,
+         r"keys_first not read by the kernel there \(it reads block_m, block_n, num_stages, num_warps\)"),
+        ({"sm_90": {"attention_fwd": {"block_k": 32}}}, ValueError, r"block_k not read by the kernel there"),
+        ({"sm_90": {"norm_bwd/rms": {"block_n": 2048}}}, ValueError,
+         r"block_n not read by the kernel there \(it reads blocks_per_sm, num_stages, num_warps\)"),
+        ({"sm_90": {"group_norm_bwd": {"block_m": 8, "num_stages": 2}}}, ValueError,
+         r"block_m, num_stages not read by the kernel there"),
+        ({"sm_90": {"conv2d_dgrad": {"blocks_per_sm": 2}}}, ValueError, r"blocks_per_sm not read"),
+        ({"sm_90": {"conv2d_wgrad/depthwise": {"block_k": 32}}}, ValueError, r"block_k not read"),
         ({"sm_90": {"atention_fwd/h64/16bit": {"block_m": 64}}}, ValueError,
          r"sm_90: no kernel 'atention_fwd/h64/16bit' in the table \(kernels: \[.*'attention_fwd'"),
         ({"sm_70": {key: {"block_m": 64}}}, ValueError, r"architecture must be one of"),
@@ -112,9 +122,15 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
          r"one of: f32, 16bit\)"),
         ({"sm_90": {"attention_fwd/h96": {"block_m": 64}}}, ValueError, r"sm_90: no variant .*after attention_fwd/ comes one of: h64, "),
         ({"sm_90": {"linear_cross_entropy_bwd_dw/f32/x3/table": {"block_k": 16}}}, ValueError,
+         r"sm_90: no variant .*\(linear_cross_entropy_bwd_dw/f32/x3 is a whole variant: nothing follows it\)"),
+        ({"sm_90": {"linear_cross_entropy_bwd_dw/f32/x4": {"block_k": 16}}}, ValueError,
          r"sm_90: no variant .*after linear_cross_entropy_bwd_dw/f32/ comes one of: x3, table"),
-        ({"sm_90": {"norm_bwd/rms/c3000": {"block_n": 2048}}}, ValueError,
+        ({"sm_90": {"norm_bwd/rms/c3000": {"num_warps": 8}}}, ValueError,
          r"sm_90: no variant .*comes one of: c1, c2, c4, c8, \.\.\., c"),
+        ({"sm_90": {"bias_add_dbias/16bit/x3": {"num_warps": 8}}}, ValueError,
+         r"sm_90: no variant .*\(bias_add_dbias/16bit is a whole variant: nothing follows it\)"),
+        ({"sm_90": {"attention_fwd/h64/16bit/": {"num_warps": 8}}}, ValueError,
+         r"sm_90: no variant .*\(attention_fwd/h64/16bit is a whole variant: nothing follows it\)"),
     ]
     for overrides, error, message in cases:
         with pytest.raises(error, match=r"^jaxbwd tuning: (sm_90 [a-z_/0-9]+: )?" + message):
@@ -135,6 +151,14 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         assert _tuning.get("attention_fwd/h128/16bit").num_stages == 4
         assert _tuning.get("attention_fwd/h128/f32/x3").num_stages == 5
         assert _tuning.get("attention_fwd/h64/16bit") == h64
+    # Block sizes from a prefix of a 3xTF32 key are taken as they are, as from the key itself
+    # (the 64 x 32 cap is for tiles the table derives from its f32 entry).
+    with jax.default_matmul_precision("highest"):
+        capped = _tuning.attention("attention_bwd_dq", 64, jnp.float32, 4096, 4096)
+        for k in ("attention_bwd_dq", "attention_bwd_dq/h64", "attention_bwd_dq/h64/f32/x3"):
+            with _tuning.use({"sm_90": {k: {"block_m": 128, "block_n": 64}}}):
+                cfg = _tuning.attention("attention_bwd_dq", 64, jnp.float32, 4096, 4096)
+                assert (capped.block_m, capped.block_n, cfg.block_m, cfg.block_n) == (64, 32, 128, 64), k
     # From a file: the file is named, and JSON that does not parse is a ValueError too.
     bad = tmp_path / "tuning.json"
     bad.write_text("{bad json")
@@ -152,7 +176,8 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
 @pytest.mark.parametrize("arch", sorted(_tuning.TABLE))
 def test_tuning_table_serves_every_request(arch, monkeypatch):
     """Every key the heuristics can ask for resolves on every architecture, and every table
-    entry is reached by some request (an entry under a misspelt variant would never be used)."""
+    entry is a request's key or a prefix of one (an entry under a misspelt variant would never
+    be used; a prefix entry may still be shadowed by more specific ones)."""
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     keys = _tuning.requests()
     for key in keys:

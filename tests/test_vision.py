@@ -110,8 +110,8 @@ def test_conv2d_pallas_small_tiles_split_k():
 
     x, w = _normal(0, (2, 9, 11, 20)), _normal(1, (3, 3, 10, 24), scale=0.2)
     kw = dict(padding=(1, 2), dilation=(1, 2), groups=2)  # Ho x Wo = 9 x 11
-    tiles = {"block_m": 16, "block_n": 16, "block_k": 16, "blocks_per_sm": 1}
-    with _tuning.use({"sm_90": {"conv2d_dgrad": tiles, "conv2d_wgrad": tiles}}), \
+    tiles = {"block_m": 16, "block_n": 16, "block_k": 16}
+    with _tuning.use({"sm_90": {"conv2d_dgrad": tiles, "conv2d_wgrad": {**tiles, "blocks_per_sm": 1}}}), \
             pytest.MonkeyPatch.context() as mp:
         mp.setattr(_tuning.C, "num_sms", lambda: 100)
         cfg = _tuning.conv("conv2d_wgrad", jnp.float32, False)

@@ -22,7 +22,8 @@ A JSON file of measured winners (``bench/gpu_check.sh`` writes one) overrides en
 override's key is a key the heuristics ask for (:func:`requests`) or a prefix of some at a
 "/" (``"attention_fwd/h128"``: every head_dim-128 forward), and applies to each key it is a
 prefix of; any other key (a misspelt kernel or variant, which would apply nowhere) is
-refused with the variants that could follow.
+refused with the variants that could follow, and so is a field the kernels under the key do
+not read (:func:`fields`).
 """
 from __future__ import annotations
 
@@ -378,29 +379,33 @@ def get(key: str) -> Config:
         k = k.rsplit("/", 1)[0]
     if k not in table:
         raise KeyError(f"jaxbwd: no launch configuration {key!r} for {a}")
-    cfg = table[k]
-    over = _OVERRIDES.get(a, {})
+    return dataclasses.replace(table[k], **_overridden(key))
+
+
+def _overridden(key: str) -> dict:
+    """The fields the loaded overrides set for ``key``: those of each "/"-prefix of it, from
+    the shortest to ``key`` itself (the more specific one wins)."""
+    over, out = _OVERRIDES.get(arch(), {}), {}
     parts = key.split("/")
     for n in range(1, len(parts) + 1):
-        prefix = "/".join(parts[:n])
-        if prefix in over:
-            cfg = dataclasses.replace(cfg, **over[prefix])
-    return cfg
+        out.update(over.get("/".join(parts[:n]), {}))
+    return out
 
 
 def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, dict[str, dict]]:
     """``{arch: {key: {field: value}}}`` checked: known architectures, keys that are one of
     :func:`requests` or a prefix of one at a "/" (any other key would match nothing and be
-    ignored: a misspelt kernel or variant), known fields, and positive ints (powers of two for block sizes and warps, as
-    Triton's tiles and launches need) or, for ``keys_first``, a bool (attention_bwd_dkdv
-    only). Raises TypeError/ValueError naming ``where``."""
+    ignored: a misspelt kernel or variant), known fields that the kernels there read
+    (:func:`fields`), and positive ints (powers of two for block sizes and warps, as
+    Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises
+    TypeError/ValueError naming ``where``."""
     def mapping(value, what):
         if not isinstance(value, Mapping):
             raise TypeError(f"{where}: {what} must be a mapping (a JSON object), got {type(value).__name__}: "
                             f"{value!r}")
         return value
 
-    fields = {f.name for f in dataclasses.fields(Config)}
+    names = {f.name for f in dataclasses.fields(Config)}
     flags = {f.name for f in dataclasses.fields(Config) if f.type in (bool, "bool")}
     out: dict[str, dict[str, dict]] = {}
     for a, entries in mapping(data, "the overrides").items():
@@ -408,16 +413,18 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
             raise ValueError(f"{where}: architecture must be one of {sorted(TABLE)}, got {a!r}")
         for key, vals in mapping(entries, f"{a}'s entries").items():
             _check_key(key, f"{where}: {a}")
-            bad = set(mapping(vals, f"{a} {key}")) - fields
+            bad = set(mapping(vals, f"{a} {key}")) - names
             if bad:
-                raise ValueError(f"{where}: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(fields)})")
+                raise ValueError(f"{where}: {a} {key}: unknown fields {sorted(bad)} (known: {sorted(names)})")
+            used = frozenset().union(*(fields(r) for r in requests() if r == key or r.startswith(key + "/")))
+            unused = sorted(set(vals) - used)
+            if unused:
+                raise ValueError(f"{where}: {a} {key}: {', '.join(unused)} not read by the kernel there "
+                                 f"(it reads {', '.join(sorted(used))})")
             for name, v in vals.items():
                 if name in flags:
                     if not isinstance(v, bool):
                         raise ValueError(f"{where}: {a} {key}: {name} must be true or false, got {v!r}")
-                    if name == "keys_first" and key.split("/")[0] != "attention_bwd_dkdv":
-                        raise ValueError(f"{where}: {a} {key}: keys_first applies to attention_bwd_dkdv only "
-                                         f"(the other kernels would ignore it)")
                     continue
                 pow2 = name.startswith("block_") or name == "num_warps"
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
@@ -437,10 +444,13 @@ def _check_key(key, where: str) -> None:
     if key in keys or any(k.startswith(key + "/") for k in keys):
         return
     parts = key.split("/")
-    stem = max(("/".join(parts[:n]) for n in range(1, len(parts))),
-               key=lambda p: any(k.startswith(p + "/") for k in keys) * len(p))
+    stem = next(p for p in ("/".join(parts[:n]) for n in range(len(parts) - 1, 0, -1))
+                if p in keys or any(k.startswith(p + "/") for k in keys))
     nxt = sorted({k[len(stem) + 1:].split("/")[0] for k in keys if k.startswith(stem + "/")},
                  key=lambda v: (len(v), v))
+    if not nxt:
+        raise ValueError(f"{where}: no variant {key!r} of {parts[0]} ({stem} is a whole variant: nothing "
+                         f"follows it)")
     shown = nxt if len(nxt) <= 8 else nxt[:4] + ["...", nxt[-1]]
     raise ValueError(f"{where}: no variant {key!r} of {parts[0]} (after {stem}/ comes one of: "
                      f"{', '.join(shown)})")
@@ -492,15 +502,39 @@ def requests() -> frozenset[str]:
 
     Returns: frozenset of str, e.g. ``"attention_bwd_dkdv/h128/f32/x3"``, ``"norm_bwd"``,
     ``"linear_cross_entropy_bwd_dw/f32/table/x3"``, ``"norm_bwd/rms/c4096/chunked"`` (``c``:
-    any power of two up to 2**30)."""
+    any power of two up to 2**62)."""
     keys = {f"{k}/h{h}/{d}" for k in _ATTENTION_KERNELS for h in (64, 128, 256) for d in _DTYPES}
     keys |= {f"{k}/{b}{t}{x}" for k in _LCE_KERNELS for b, x in (("16bit", ""), ("f32", ""), ("f32", "/x3"))
              for t in ("", "/table")}
     keys |= {f"{k}/{d}" for k in _COLUMN_SUM_KERNELS for d in ("16bit", "f32")}
     keys |= {f"{k}/{d}" for k in ("conv2d_dgrad", "conv2d_wgrad") for d in _DTYPES + ("depthwise",)}
     keys |= {f"group_norm_bwd/{s}{d}" for s in ("", "silu/") for d in ("16bit", "f32")}
-    keys |= {"norm_bwd"} | {f"norm_bwd/{n}/c{2 ** i}{c}" for n in ("layer", "rms") for i in range(31) for c in ("", "/chunked")}
+    keys |= {"norm_bwd"} | {f"norm_bwd/{n}/c{2 ** i}{c}"
+                            for n in ("layer", "rms") for i in range(63) for c in ("", "/chunked")}
     return frozenset(keys)
+
+
+def fields(key: str) -> frozenset[str]:
+    """The Config fields the kernels read from the entry of request ``key`` (one of
+    :func:`requests`); an override may set only these at a key, or at a prefix those of the
+    requests under it (any other would be ignored)."""
+    kernel, _, variant = key.partition("/")
+    launch = {"num_warps", "num_stages"}
+    if kernel.startswith("attention_"):
+        out = launch | {"block_m", "block_n"} | ({"keys_first"} if kernel == "attention_bwd_dkdv" else set())
+    elif kernel.startswith("linear_cross_entropy_"):  # dx's grid is not sized by occupancy
+        out = launch | {"block_m", "block_n", "block_k"} | (
+            set() if kernel == "linear_cross_entropy_bwd_dx" else {"blocks_per_sm"})
+    elif kernel in _COLUMN_SUM_KERNELS:
+        out = launch | {"block_m", "block_n", "blocks_per_sm"}
+    elif kernel in ("conv2d_dgrad", "conv2d_wgrad"):  # depthwise: no channel-block K
+        out = launch | {"block_m", "block_n"} | (set() if variant == "depthwise" else {"block_k"})
+        out |= {"blocks_per_sm"} if kernel == "conv2d_wgrad" else set()
+    elif kernel == "group_norm_bwd":
+        out = {"block_n", "num_warps", "blocks_per_sm"}
+    else:  # norm_bwd: the kernel's own entry gives the chunk width, each width its launch
+        out = {"block_n"} if not variant else launch | {"blocks_per_sm"}
+    return frozenset(out)
 
 
 def _bits(dtype) -> str:
@@ -556,13 +590,14 @@ def attention(kind: str, Hp: int, dtype, T: int, S: int) -> Config:
     "attention_bwd_dq", "attention_jvp") at padded head dim ``Hp``: block_m query rows,
     block_n key rows, capped at the (power-of-two padded) sequence lengths. Under 3xTF32
     the table's ``f32/x3`` entries; where it has none, the f32 tiles capped at 64 x 32 (block
-    sizes an override gives the ``f32/x3`` key itself are taken as they are)."""
+    sizes an override sets for the ``f32/x3`` key, itself or a prefix of it, are taken as
+    they are)."""
     h = 64 if Hp <= 64 else 128 if Hp <= 128 else 256
     key = f"{kind}/h{h}/{_bits(dtype)}{_x3(dtype)}"
     cfg = get(key)
     bq, bk = cfg.block_m, cfg.block_n
     if key.endswith("/x3") and key not in TABLE[arch()]:
-        own = _OVERRIDES.get(arch(), {}).get(key, {})
+        own = _overridden(key)
         bq, bk = own.get("block_m", min(bq, 64)), own.get("block_n", min(bk, 32))
     bq, bk = min(bq, max(16, C.next_pow2(T))), min(bk, max(16, C.next_pow2(S)))
     return dataclasses.replace(cfg, block_m=bq, block_n=bk)
