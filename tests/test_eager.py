@@ -47,11 +47,18 @@ def test_eager_calls_compile_once(spec):
         assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
-def test_eager_pallas_calls_compile_once(spec):
+KERNEL_SPECS = [s for s in SPECS if s.has_kernels]
+
+
+@pytest.mark.parametrize("spec", KERNEL_SPECS, ids=[s.name for s in KERNEL_SPECS])
+def test_eager_pallas_calls_compile_once(spec, monkeypatch):
     """The Pallas path (interpret mode here): a kernel launched outside ``jax.jit`` runs through
     a jit kept per kernel and settings (``_common.call``), so a repeated eager call compiles
     nothing (each compiled its kernels again: 0.26-1.9 s per call before)."""
+    from jaxbwd.pallas import _common as C
+
+    cached, real = [], C._cached_launcher
+    monkeypatch.setattr(C, "_cached_launcher", lambda *a: cached.append(a[0]) or real(*a))
     args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
     diff = [args[i] for i in spec.diff_argnums]
     f = spec.bind(args, kwargs, implementation="pallas")
@@ -64,6 +71,7 @@ def test_eager_pallas_calls_compile_once(spec):
         with _compiles() as count:
             jax.block_until_ready(call())
         assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
+    assert cached, f"{spec.name}: no kernel launched through the cache"
 
 
 _TRACED = []
@@ -74,6 +82,9 @@ def _dot_kernel(x_ref, y_ref, o_ref):
 
     _TRACED.append(jax.config.jax_default_matmul_precision)  # once per trace of the kernel body
     o_ref[...] = C.dot(x_ref[...], y_ref[...])
+
+
+_dot_kernel.__module__ = "jaxbwd.pallas.test_kernel"  # the cache keys jaxbwd's own kernels only
 
 
 def test_eager_pallas_launch_follows_matmul_precision():
@@ -130,8 +141,9 @@ def test_block_settings_changed_after_a_call_take_effect(monkeypatch):
 
 def test_launch_keys_tell_kernels_apart():
     """Two launches share a cached jit only where their kernels and settings are the same:
-    values by type and repr (0.0 and -0.0, 1 and True apart), functions by code and closure
-    contents; arrays are never part of a key (such a launch compiles per call)."""
+    values by type and repr (0.0 and -0.0, 1 and True apart), jaxbwd's functions by code and
+    closure contents; arrays, other objects and functions from outside jaxbwd are never part
+    of a key (such a launch compiles per call)."""
     import functools
 
     import numpy as np
@@ -141,10 +153,14 @@ def test_launch_keys_tell_kernels_apart():
     def kernel(x_ref, o_ref, *, scale):
         o_ref[...] = x_ref[...] * scale
 
-    def make(c):
+    def make(c, module="jaxbwd.pallas.test_kernel"):
         def body(x_ref, o_ref):
             o_ref[...] = x_ref[...] * c
+        body.__module__ = module
         return body
+
+    user = make(2.0, module=__name__)  # a user's function: its globals may change between calls
+    kernel.__module__ = "jaxbwd.pallas.test_kernel"  # as if it were one of jaxbwd's kernels
 
     key = lambda k, **kw: C._launch_key(k, "t", (1,), jax.ShapeDtypeStruct((8,), jnp.float32), True, 4, None,  # noqa: E731
                                         0, 0, 0, None, None)
@@ -153,3 +169,5 @@ def test_launch_keys_tell_kernels_apart():
     assert key(make(2.0)) == key(make(2.0)) and key(make(2.0)) != key(make(3.0))
     assert part(np.ones(3)) is None and key(make(jnp.ones(3))) is None
     assert key(kernel) != key(make(2.0))
+    assert key(user) is None and key(functools.partial(kernel, scale=object())) is None
+    assert part(np.float32(2.0)) == part(np.float32(2.0)) != part(2.0)

@@ -132,7 +132,6 @@ def test_wide_head_dims_split_dk_dv_bf16(case):
 
 
 @needs_mosaic
-@needs_mosaic
 def test_repeated_eager_calls_compile_nothing():
     """Mosaic kernels launched outside ``jax.jit`` run through the same per-launch jit cache as
     the Triton ones (``_common.call``): a repeated eager forward and grad compile nothing
@@ -149,6 +148,7 @@ def test_repeated_eager_calls_compile_nothing():
         assert count[0] == 0
 
 
+@needs_mosaic
 def test_residuals_shared_with_triton():
     # Same residual contract: the Mosaic forward's lse equals the Triton forward's, and the
     # Mosaic backward from Triton's residuals matches the Triton backward.

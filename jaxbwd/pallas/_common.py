@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -473,9 +474,9 @@ _PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).para
 # ``jax.jit``) lowered and compiled the kernel again (0.26-1.9 s per call in interpret mode,
 # bench/results/2026-12-05-eager-calls.md). A launch whose kernel and settings have a static
 # key (below) runs through a ``jax.jit`` kept per key, whose own cache adds the operands'
-# shapes and dtypes and JAX's trace-time settings (matmul precision, x64). As with any jit,
-# module globals a kernel body reads are taken as they were when it was first traced.
-# Bounded: least recently used first out.
+# shapes and dtypes and JAX's trace-time settings (matmul precision, x64). Only jaxbwd's own
+# kernel functions are keyed (module globals they read are constants). Bounded: least
+# recently used first out.
 _LAUNCHERS: "collections.OrderedDict[Any, Callable]" = collections.OrderedDict()
 _LAUNCHERS_MAX = 128
 _LAUNCHERS_LOCK = threading.Lock()
@@ -487,13 +488,15 @@ class _Unkeyable(Exception):
 
 def _static(x, depth: int = 0):
     """A hashable stand-in for ``x`` equal for two values exactly when they build the same
-    kernel: scalars and dtypes by value, containers and frozen dataclasses by their items,
-    functions by code, defaults and closure contents, other objects without value equality
-    by identity. Raises _Unkeyable for arrays and for objects whose equality is their own."""
+    kernel: scalars and dtypes by type and repr, containers and dataclasses by their items,
+    jaxbwd's own functions by code, defaults and closure contents. Raises _Unkeyable for
+    anything else: arrays, other objects, and functions from outside jaxbwd (a user's
+    ``define_elementwise`` derivative may read globals that change between calls), whose
+    launches then compile per eager call as a bare ``pl.pallas_call``'s do."""
     if depth > 24:
         raise _Unkeyable
     rec = lambda v: _static(v, depth + 1)  # noqa: E731
-    if isinstance(x, (float, complex)):
+    if isinstance(x, (float, complex, np.generic)):
         return (type(x), repr(x))  # -0.0 apart from 0.0, nan equal to nan
     if x is None or isinstance(x, (bool, int, str, bytes)):
         return (type(x), x)
@@ -502,10 +505,12 @@ def _static(x, depth: int = 0):
     if isinstance(x, (tuple, list)):
         return (type(x), tuple(rec(v) for v in x))
     if isinstance(x, dict):
-        return (dict, tuple(sorted(((k, rec(v)) for k, v in x.items()), key=lambda kv: repr(kv[0]))))
+        return (dict, tuple(sorted(((rec(k), rec(v)) for k, v in x.items()), key=repr)))
     if isinstance(x, functools.partial):
         return (functools.partial, rec(x.func), rec(x.args), rec(x.keywords))
     if isinstance(x, types.FunctionType):
+        if not (x.__module__ or "").startswith("jaxbwd."):
+            raise _Unkeyable  # user code (define_elementwise's derivative): its globals may change
         try:
             cells = tuple(rec(c.cell_contents) for c in x.__closure__ or ())
         except ValueError:  # an empty cell: a closure variable not assigned yet
@@ -517,8 +522,6 @@ def _static(x, depth: int = 0):
     if isinstance(x, jax.ShapeDtypeStruct):
         return (jax.ShapeDtypeStruct, tuple(x.shape), jnp.dtype(x.dtype), bool(getattr(x, "weak_type", False)),
                 getattr(x, "sharding", None))
-    if type(x).__eq__ is object.__eq__ and type(x).__hash__ is object.__hash__:
-        return ("identity", x)  # kept alive by the key, so no other object can match it
     raise _Unkeyable
 
 
