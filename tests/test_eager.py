@@ -32,19 +32,26 @@ def _compiles():
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
-def test_eager_calls_compile_once(spec):
+def _repeated_calls_compile_nothing(spec, implementation: str, warmups: int):
+    """Calls the op, its vjp and its jvp ``warmups`` times at its first example's shapes, then
+    once more, asserting that last call compiles nothing."""
     args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
     diff = [args[i] for i in spec.diff_argnums]
-    f = spec.bind(args, kwargs, implementation="xla")
+    f = spec.bind(args, kwargs, implementation=implementation)
     calls = {"forward": lambda: f(*diff), "vjp": lambda: jax.vjp(f, *diff)[1](f(*diff))}
     if FORWARD_MODE and spec.forward_mode:
         calls["jvp"] = lambda: jax.jvp(f, tuple(diff), tuple(diff))
     for name, call in calls.items():
-        jax.block_until_ready(call())  # the first call at this shape compiles
+        for _ in range(warmups):  # the first calls at this shape compile
+            jax.block_until_ready(call())
         with _compiles() as count:
             jax.block_until_ready(call())
         assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_eager_calls_compile_once(spec):
+    _repeated_calls_compile_nothing(spec, "xla", warmups=1)
 
 
 KERNEL_SPECS = [s for s in SPECS if s.has_kernels]
@@ -54,23 +61,13 @@ KERNEL_SPECS = [s for s in SPECS if s.has_kernels]
 def test_eager_pallas_calls_compile_once(spec, monkeypatch):
     """The Pallas path (interpret mode here): a kernel launched outside ``jax.jit`` runs through
     a jit kept per kernel and settings (``_common.call``), so a repeated eager call compiles
-    nothing (each compiled its kernels again: 0.26-1.9 s per call before)."""
+    nothing (each compiled its kernels again: 0.26-1.9 s per call before). Two warm-up calls:
+    JAX's tracing context can change once after a process's first jit."""
     from jaxbwd.pallas import _common as C
 
     cached, real = [], C._cached_launcher
     monkeypatch.setattr(C, "_cached_launcher", lambda *a: cached.append(a[0]) or real(*a))
-    args, kwargs = spec.examples[0].make(jax.random.PRNGKey(0), jnp.dtype("float32"))
-    diff = [args[i] for i in spec.diff_argnums]
-    f = spec.bind(args, kwargs, implementation="pallas")
-    calls = {"forward": lambda: f(*diff), "vjp": lambda: jax.vjp(f, *diff)[1](f(*diff))}
-    if FORWARD_MODE and spec.forward_mode:
-        calls["jvp"] = lambda: jax.jvp(f, tuple(diff), tuple(diff))
-    for name, call in calls.items():
-        for _ in range(2):  # the first calls compile (JAX's tracing context settles after one)
-            jax.block_until_ready(call())
-        with _compiles() as count:
-            jax.block_until_ready(call())
-        assert count[0] == 0, f"{spec.name} {name}: {count[0]} compilations on a repeated eager call"
+    _repeated_calls_compile_nothing(spec, "pallas", warmups=2)
     assert cached, f"{spec.name}: no kernel launched through the cache"
 
 
