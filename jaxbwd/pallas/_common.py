@@ -519,6 +519,8 @@ def _static(x, depth: int = 0):
                 rec(x.__kwdefaults__), cells)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x), tuple(rec(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, jax.core.ShapedArray):  # an aval (Mosaic's scratch types hold them): immutable
+        return (jax.core.ShapedArray, x)
     if isinstance(x, jax.ShapeDtypeStruct):
         return (jax.ShapeDtypeStruct, tuple(x.shape), jnp.dtype(x.dtype), bool(getattr(x, "weak_type", False)),
                 getattr(x, "sharding", None))
