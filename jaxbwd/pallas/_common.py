@@ -440,10 +440,7 @@ def call(
         args, out = _vary_together(args, out_shape)
         token = _INTERPRETING.set(bool(interpret))
         try:
-            leaves = jax.tree_util.tree_leaves(args)
-            if key is None or any(isinstance(a, jax.core.Tracer) for a in leaves):
-                return _launch(args, out)  # traced: the enclosing jit compiles it once
-            return _cached_launcher(key, lambda: jax.jit(lambda *a: _launch(a, out)))(*args)
+            return run_cached(key, lambda *a: _launch(a, out), args)
         finally:
             _INTERPRETING.reset(token)
 
@@ -536,6 +533,15 @@ def _launch_key(*parts):
     except (_Unkeyable, TypeError):
         return None
     return key
+
+
+def run_cached(key, fn: Callable, args: Sequence[Any]):
+    """``fn(*args)``; with concrete ``args`` and a ``key`` (:func:`_launch_key`) through the
+    ``jax.jit`` of ``fn`` kept under it. Traced args call ``fn`` directly: the enclosing jit
+    compiles it once."""
+    if key is None or any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):
+        return fn(*args)
+    return _cached_launcher(key, lambda: jax.jit(fn))(*args)
 
 
 def _cached_launcher(key, make: Callable[[], Callable]) -> Callable:

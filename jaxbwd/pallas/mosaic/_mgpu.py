@@ -169,9 +169,7 @@ def kernel(body: Callable[..., None], *, name: str, out_type: Any, grid: Sequenc
     def launch(*args):
         token = _INTERPRETING.set(bool(interpret))
         try:
-            if key is None or any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(args)):
-                return call(*args)
-            return C._cached_launcher(key, lambda: jax.jit(call))(*args)  # eager: see _common.call
+            return C.run_cached(key, call, args)  # eager launches compile once: see _common.call
         finally:
             _INTERPRETING.reset(token)
 
