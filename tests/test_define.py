@@ -448,3 +448,21 @@ def test_squared_relu_float64_is_computed_in_float64(impl):
         g = jax.grad(lambda x: jnp.sum(squared_relu.squared_relu(x, implementation=impl)))(x)
     assert g.dtype == jnp.float64
     np.testing.assert_array_equal(np.asarray(g), 2.0 * np.maximum(np.asarray(x), 0.0))
+
+
+def test_residual_batch_dims_match_in_either_tree_form():
+    """A vmapped op's inferred residual dims come as the residuals' own pytree (jax 0.12.0)
+    or as a tuple tree in which every other node is a tuple (jax >= 0.12.1); both give one
+    dim per array leaf, and a dims tree that is no prefix of the residuals is refused."""
+    from jaxbwd.vjp._derivatives import _leaf_dims, _StaticDims
+
+    x = jnp.zeros(3)
+    tree = (x, ((x, None, {"b": x, "a": x}), _StaticDims((0,))))
+    own = (0, ((1, None, {"b": None, "a": 2}), _StaticDims((0,))))
+    tuples = (0, ((1, None, {"b": None, "a": 2}), ()))
+    assert _leaf_dims(tree, own) == _leaf_dims(tree, tuples) == [0, 1, 2, None]
+    assert _leaf_dims(tree, (0, None)) == [0, None, None, None]
+    with pytest.raises(AssertionError, match="not a prefix"):
+        _leaf_dims(tree, (0, (1, 2, 3)))
+    with pytest.raises(AssertionError, match="not a prefix"):
+        _leaf_dims((x, x), (0, ()))

@@ -279,6 +279,27 @@ class _StaticDims:
 jax.tree_util.register_pytree_node(_StaticDims, lambda s: ((), s.dims), lambda dims, _: _StaticDims(dims))
 
 
+def _leaf_dims(tree, dims) -> list:
+    """One batch dimension per array leaf of ``tree`` from ``dims``, a prefix of it (an int or
+    None stands for its whole subtree). ``dims`` may have tuples where ``tree`` has other
+    nodes: jax >= 0.12.1 infers out_axes as such tuple trees (a ``_StaticDims`` becomes
+    ``()``), jax 0.12.0 with ``tree``'s own node types; both are matched child by child."""
+    out = []
+
+    def walk(td, d):
+        if d is None or isinstance(d, int):
+            out.extend([d] * td.num_leaves)
+            return
+        children = jax.tree_util.tree_flatten(d, is_leaf=lambda c: c is not d)[0]
+        if (td.num_nodes, td.num_leaves) == (1, 1) or len(children) != len(td.children()):
+            raise AssertionError(f"batch dims {dims!r} are not a prefix of {tree!r}")
+        for c, dc in zip(td.children(), children):
+            walk(c, dc)
+
+    walk(jax.tree_util.tree_structure(tree), dims)
+    return out
+
+
 def _is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.floating) or jnp.issubdtype(aval.dtype, jnp.complexfloating)
 
@@ -483,7 +504,7 @@ if _HAVE_HIJAX:
             rules = _batched_rules(self.rules, axis_data, tuple(dims))
             out, (res, res_dims) = _fwd(rules, args)
             # one dim per array leaf of (out, res) (a None in res, an absent argument, has none)
-            full_dims = jax.tree_util.tree_structure((out, res)).flatten_up_to((0, res_dims.dims))
+            full_dims = _leaf_dims((out, res), (0, res_dims.dims))
             return self._computed((out, res)), [d for d, s in zip(full_dims, self.source) if s is None]
 
     def _fwd(rules: _Rules, args):
