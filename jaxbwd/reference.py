@@ -376,8 +376,10 @@ def mse_loss(predictions, targets, weights=None, *, reduction="mean"):
 
 
 def dropout(x, rate, *, rng=None, deterministic=False):
-    """Reference dropout: ``x / (1 - rate)`` where the counter-based hash of (key, row, col) of
-    x's [rows, cols] view keeps, else 0 (the mask's definition: ``jaxbwd/pallas/dropout.py``)."""
+    """Reference dropout: ``x * (1 / (1 - rate))`` where the counter-based hash of (key, row, col)
+    of x's [rows, cols] view keeps, else 0 (the mask's definition: ``jaxbwd/pallas/dropout.py``).
+    The scale is the float32 reciprocal, multiplied in float32, as the kernels do (a division
+    can differ from it by one rounding)."""
     from jaxbwd.pallas import _common as C
 
     if deterministic or rate == 0.0:
@@ -385,7 +387,7 @@ def dropout(x, rate, *, rng=None, deterministic=False):
     if rate == 1.0:
         return jnp.zeros_like(x)
     keep = _dropout_keep(rng, x.shape, C.as_2d("dropout", x.shape), rate)
-    return jnp.where(keep, _f32(x) / (1.0 - rate), 0.0).astype(x.dtype)
+    return jnp.where(keep, _f32(x) * (1.0 / (1.0 - rate)), 0.0).astype(x.dtype)
 
 
 def _dropout_keep(rng, shape, view, rate):
@@ -400,14 +402,15 @@ def _dropout_keep(rng, shape, view, rate):
 
 
 def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False):
-    """Reference ``residual + dropout(x + bias)``, the mask on x's [rows, D] view."""
+    """Reference ``residual + dropout(x + bias)``, the mask on x's [rows, D] view (the scale as
+    :func:`dropout`'s)."""
     h = bias_add(x, bias)
     if deterministic or rate == 0.0:
         return residual + h
     if rate == 1.0:
         return residual
     keep = _dropout_keep(rng, x.shape, (math.prod(x.shape[:-1]), x.shape[-1]), rate)
-    return (residual + jnp.where(keep, _f32(h) / (1.0 - rate), 0.0).astype(x.dtype)).astype(x.dtype)
+    return (residual + jnp.where(keep, _f32(h) * (1.0 / (1.0 - rate)), 0.0).astype(x.dtype)).astype(x.dtype)
 
 
 def batch_norm(x, weight, bias, *, eps=1e-5, axis=-1):
