@@ -286,7 +286,9 @@ def generate(model, params, prompt: np.ndarray, n: int, seq_len: int, key, tempe
     buf = list(prompt.tolist())
     for _ in range(n):
         window = ([32] * seq_len + buf)[-seq_len:]
-        logits = apply(params, jnp.asarray([window], jnp.int32))
+        # on the host: on a mesh the logits are vocabulary-sharded, and categorical refuses
+        # to sample along a sharded axis (jax >= 0.12.1)
+        logits = jnp.asarray(jax.device_get(apply(params, jnp.asarray([window], jnp.int32))))
         key, sub = jax.random.split(key)
         buf.append(int(jax.random.categorical(sub, logits / temperature)))
     return bytes(buf[len(prompt):])
