@@ -462,6 +462,7 @@ def test_residual_batch_dims_match_in_either_tree_form():
     tuples = (0, ((1, None, {"b": None, "a": 2}), ()))
     assert _leaf_dims(tree, own) == _leaf_dims(tree, tuples) == [0, 1, 2, None]
     assert _leaf_dims(tree, (0, None)) == [0, None, None, None]
+    assert _leaf_dims(tree, (0, np.int64(1))) == [0, 1, 1, 1]
     with pytest.raises(AssertionError, match="not a prefix"):
         _leaf_dims(tree, (0, (1, 2, 3)))
     with pytest.raises(AssertionError, match="not a prefix"):

@@ -286,17 +286,21 @@ def _leaf_dims(tree, dims) -> list:
     ``()``), jax 0.12.0 with ``tree``'s own node types; both are matched child by child."""
     out = []
 
+    def is_leaf(td):
+        return (td.num_nodes, td.num_leaves) == (1, 1)
+
     def walk(td, d):
-        if d is None or isinstance(d, int):
+        if d is None or is_leaf(jax.tree_util.tree_structure(d)):  # one dim for the subtree
             out.extend([d] * td.num_leaves)
             return
         children = jax.tree_util.tree_flatten(d, is_leaf=lambda c: c is not d)[0]
-        if (td.num_nodes, td.num_leaves) == (1, 1) or len(children) != len(td.children()):
-            raise AssertionError(f"batch dims {dims!r} are not a prefix of {tree!r}")
+        if is_leaf(td) or len(children) != len(td.children()):
+            raise AssertionError(f"batch dims {dims!r} are not a prefix of {full}")
         for c, dc in zip(td.children(), children):
             walk(c, dc)
 
-    walk(jax.tree_util.tree_structure(tree), dims)
+    full = jax.tree_util.tree_structure(tree)
+    walk(full, dims)
     return out
 
 
