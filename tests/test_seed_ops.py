@@ -67,7 +67,9 @@ def test_dropout_same_mask_both_implementations_and_flax_semantics():
     grads = {}
     for impl in IMPLS:
         f = lambda x: jaxbwd.dropout(x, 0.25, rng=key, implementation=impl)
-        grads[impl] = jax.vjp(f, x)[1](ct)[0]
+        y, vjp = jax.vjp(f, x)
+        grads[impl] = vjp(ct)[0]
+        chex.assert_trees_all_close(y, ref.dropout(x, 0.25, rng=key), atol=0, rtol=0)  # the same scale too
     np.testing.assert_array_equal(np.asarray(grads["xla"]), np.asarray(grads["pallas"]))
     y = jaxbwd.dropout(x, 0.25, rng=key)
     np.testing.assert_array_equal(np.asarray(grads["xla"] != 0), np.asarray(y != 0))
