@@ -646,6 +646,7 @@ _SPECS: list[OpSpec] = [
         backward="Pallas: pixel_unshuffle of dy (the inverse permutation), one read and one write; r = 2 interleaves four contiguous channel runs in registers",
         examples=(
             Example("1x2x3x27-r3", lambda k, dt: ((_normal(k, (1, 2, 3, 27), dt), 3), {})),
+            Example("2x3x4x40-r2", lambda k, dt: ((_normal(k, (2, 3, 4, 40), dt), 2), {})),
         ),
         lowering=(Example("8x64x64x256-r2", lambda k, d: ((_sds((8, 64, 64, 256), "bfloat16"),), {"upscale_factor": 2})),),
         bad_inputs=(
@@ -681,6 +682,11 @@ _SPECS: list[OpSpec] = [
         examples=(
             Example("2x9x11x4*3x3x4x8-pad1", lambda k, dt: (
                 (_normal(k, (2, 9, 11, 4), dt), 0.3 * _normal(jax.random.fold_in(k, 1), (3, 3, 4, 8), dt)), {"padding": 1})),
+            Example("2x10x9x20*3x3x20x8-s2", lambda k, dt: (
+                (_normal(k, (2, 10, 9, 20), dt), 0.3 * _normal(jax.random.fold_in(k, 1), (3, 3, 20, 8), dt)),
+                {"padding": 1, "stride": 2})),
+            Example("2x8x8x8*1x1x8x12", lambda k, dt: (
+                (_normal(k, (2, 8, 8, 8), dt), 0.3 * _normal(jax.random.fold_in(k, 1), (1, 1, 8, 12), dt)), {})),
         ),
         # UNet: 3x3 [8, 64, 64, 320] -> 320 (bf16), its stride-2 downsampler, a 1x1 projection.
         lowering=(
@@ -912,6 +918,7 @@ _SPECS.append(OpSpec(
                      label_smoothing=0.1, z_loss=1e-3, logit_softcap=3.0, reduction="sum"),
         _lce_example("19x16@37x16-tied-weights-none", (19,), 16, 37, transpose_w=True, weights=True,
                      reduction="none", z_loss=1e-2),
+        _lce_example("4x16@16x130-mean", (4,), 16, 130),
     ),
     lowering=(
         _lce_lowering(8192, 2048, 128256, "bfloat16"),

@@ -21,7 +21,11 @@ mode on a machine without a GPU) and every dtype of ``spec.dtypes``:
 7. the residual bytes within ``spec.residual_budget``;
 8. ``jax.jvp``/``jax.linearize`` against the reference (jax >= 0.12), or, for an op declared
    without forward mode (``spec.forward_mode``), ``jax.jvp`` raising NotImplementedError;
-9. grad of grad (reverse over reverse) against the reference.
+9. grad of grad (reverse over reverse) against the reference;
+10. on the Pallas path, with tiles small enough for several programs per grid, no program
+    writing what another writes or reading what another wrote, and no output element left
+    unwritten (``check_programs_independent``: a GPU runs a grid's programs in no fixed
+    order, interpret mode one after another).
 
 jaxbwd's own ops also run ``tests/test_contract.py``, which adds more: determinism, strict
 dtype promotion, 16-bit transforms, x64 tracing, ``jacfwd``, Hessian-vector products.
@@ -47,12 +51,18 @@ formulas differentiated by JAX's autodiff; check 3 is ``jax.test_util.check_grad
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import math
 from typing import Optional
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from jaxbwd import config
 from jaxbwd.check import kernels_missing
@@ -327,3 +337,238 @@ class OpContract:
 
     def test_grad_of_grad_matches_reference(self, impl):
         check_second_order(self.spec, impl)
+
+    def test_programs_independent(self):
+        if not self.spec.has_kernels:
+            pytest.skip(f"{self.spec.name}: no Pallas kernel")
+        check_programs_independent(self.spec)
+
+
+# ------------------------------------------------------------------ program independence
+@dataclasses.dataclass(frozen=True)
+class ProgramWrites:
+    """What the programs of one interpret-mode launch wrote to one output, each run alone.
+
+    ``kernel``: the launch's name; ``output``: the output's index among the launch's flat
+    outputs; ``grid``: the launch's grid; ``programs``: its size; ``size``: the output's elements;
+    ``multiply_written``: elements two or more programs write (a write-write race on a GPU,
+    where programs run in no fixed order); ``unwritten``: elements of a fresh output no
+    program writes (uninitialised memory on a GPU; always 0 for an output aliased to an
+    input, which keeps what the kernel leaves); ``dependent``: elements a program writes
+    with another value alone than in the whole grid's run, so it read what another program
+    wrote (a read-after-write race on a GPU)."""
+
+    kernel: str
+    output: int
+    grid: tuple[int, ...]
+    programs: int
+    size: int
+    multiply_written: int
+    unwritten: int
+    dependent: int
+
+
+def _as_bits(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+
+
+def _same(a, b):
+    """Equal elements; floats to within 1e-4 relative (XLA may sum in another order inside
+    the per-program loop than in the whole launch)."""
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return (jnp.abs(a - b) <= 1e-4 * jnp.maximum(1.0, jnp.abs(b))) | (jnp.isnan(a) & jnp.isnan(b))
+    return a == b
+
+
+def _fill(s, k: int):
+    """Two fills per dtype that no write in these checks is expected to equal both of."""
+    dt = jnp.dtype(s.dtype)
+    if dt == jnp.bool_:
+        v = (False, True)[k]
+    elif jnp.issubdtype(dt, jnp.floating):
+        v = (-12345.0, 7503.0)[k] if dt.itemsize > 1 else (-3.0, 5.0)[k]
+    else:
+        v = (7, 11)[k]
+    return jnp.full(s.shape, v, dt)
+
+
+def _each_program_alone(reports: list, pallas_call):
+    """``pallas_call`` (interpret mode), returning the whole grid's results as it does, and
+    also running every program of the grid alone (twice: outputs filled with two values) to
+    append one :class:`ProgramWrites` per output to ``reports`` when the launch runs."""
+    def make(kernel, *, out_shape, grid, input_output_aliases=None, interpret=False, name=None, **kw):
+        launch = pallas_call(kernel, out_shape=out_shape, grid=grid, input_output_aliases=input_output_aliases,
+                             interpret=interpret, name=name, **kw)
+        if interpret is not True:  # only the Triton kernels' interpret mode (Mosaic's has a race detector)
+            return launch
+        shapes = jax.tree_util.tree_leaves(out_shape)
+        grid = tuple(int(g) for g in grid)
+        strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
+        aliased = {o: i for i, o in (input_output_aliases or {}).items()}  # output -> input
+        fresh = [o for o in range(len(shapes)) if o not in aliased]
+
+        def run(*args):
+            whole = jax.tree_util.tree_leaves(launch(*args))
+            n_in = len(args)
+
+            def gated(target_ref, *refs):
+                ins, outs = refs[:n_in], refs[n_in + len(fresh):]
+                # Read outside the branch: interpret mode substitutes program_id only there.
+                ids = [pl.program_id(d) for d in range(len(grid))]
+                linear = sum(i * st for i, st in zip(ids, strides))
+
+                @pl.when(linear == target_ref[0])
+                def _():
+                    program_id, pl.program_id = pl.program_id, lambda d: ids[d]
+                    try:
+                        kernel(*ins, *outs)
+                    finally:
+                        pl.program_id = program_id
+
+            def alone(target, k):
+                a = list(args)  # an in-place output starts as its input
+                fills = [_fill(shapes[o], k) for o in fresh]
+                io = {1 + i: o for o, i in aliased.items()}
+                io.update({1 + n_in + e: o for e, o in enumerate(fresh)})
+                f = pallas_call(gated, out_shape=out_shape, grid=grid, input_output_aliases=io, interpret=True,
+                                name=name, **kw)
+                return jax.tree_util.tree_leaves(f(target[None], *a, *fills))
+
+            def per_program(target):
+                runs = (alone(target, 0), alone(target, 1))
+                res = []
+                for o, s in enumerate(shapes):
+                    if o in aliased:  # starts as its input in both runs: compare with the whole run
+                        got = runs[0][o]
+                        written = _as_bits(got) != _as_bits(args[aliased[o]])
+                        differs = ~_same(got, whole[o])
+                    else:  # a read of anything this program did not write sees the fills
+                        got = [_as_bits(r[o]) for r in runs]
+                        before = [_as_bits(_fill(s, k)) for k in (0, 1)]
+                        written = (got[0] != before[0]) | (got[1] != before[1])
+                        differs = got[0] != got[1]
+                    res.append((written, jnp.sum(written & differs)))
+                return res
+
+            per = jax.lax.map(per_program, jnp.arange(math.prod(grid), dtype=jnp.int32))
+            for o, (written, dependent) in enumerate(per):
+                writers = jnp.sum(written.astype(jnp.int32), axis=0)
+                jax.debug.callback(functools.partial(_report, reports, name, o, grid, o in aliased),
+                                   writers, jnp.sum(dependent))
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), whole)
+
+        return run
+
+    return make
+
+
+def _report(reports, name, output, grid, aliased, writers, dependent):
+    writers = np.asarray(writers)
+    reports.append(ProgramWrites(name, output, grid, math.prod(grid), int(writers.size), int((writers > 1).sum()),
+                                 0 if aliased else int((writers == 0).sum()), int(dependent)))
+
+
+@contextlib.contextmanager
+def record_program_writes():
+    """Within the block, every Pallas (Triton) kernel launched in interpret mode through
+    jaxbwd's launcher also runs each program of its grid alone and records, per output, a
+    :class:`ProgramWrites` in the yielded list (when the launch runs).
+
+    On a GPU a grid's programs run concurrently in no fixed order; interpret mode runs them
+    one after another, so a kernel whose programs write the same element, read what another
+    program wrote, or leave part of a fresh output unwritten still gives right answers there.
+    Each program alone, with the outputs filled first (twice, with two values), shows which
+    elements it writes and whether it writes them with the values of the whole grid's run.
+    Costs two extra runs of the kernel per program: for small shapes.
+
+    Yields:
+      a list, appended to as instrumented launches run (under ``jit``, when the compiled
+      function runs).
+    """
+    reports: list[ProgramWrites] = []
+    token = pallas_common.LAUNCH_WRAPPER.set(functools.partial(_each_program_alone, reports))
+    try:
+        yield reports
+    finally:
+        pallas_common.LAUNCH_WRAPPER.reset(token)
+
+
+@contextlib.contextmanager
+def small_tiles(block: int = 8, tile: int = 32, sms: int = 16):
+    """Within the block, jaxbwd's Pallas kernels take tiny tiles and see ``sms`` SMs, so that
+    the contract's small examples run grids of several programs, persistent programs with
+    several steps, rows in several chunks and the embedding's hot-id path: the tuning
+    table's block sizes become ``block`` (its column chunks ``tile``), row tilings hold at
+    most ``tile`` elements in at most 2 rows (the norms' too), as do the elementwise,
+    permutation, pooling and embedding kernels' own tiles. For tests only: tiles this small would be slow on a GPU."""
+    from unittest import mock
+
+    from jaxbwd.pallas import _tuning, elementwise, embedding, pooling, vision
+
+    overrides = {}
+    for key in _tuning.requests():
+        kernel = key.split("/")[0]
+        if kernel == "norm_bwd":  # the chunk width sits on the bare key; each width's launch under it
+            overrides["norm_bwd"] = {"block_n": tile}
+            continue
+        sums = kernel in _tuning._COLUMN_SUM_KERNELS  # rows per step: two, so that few rows make several steps
+        want = {"block_m": 2 if sums else block, "block_n": tile if sums or kernel == "group_norm_bwd" else block,
+                "block_k": block, "blocks_per_sm": 1}
+        overrides[key] = {f: v for f, v in want.items() if f in _tuning.fields(key)}
+    row_tiling, norm_tiling = pallas_common.row_tiling, _tuning.norm_bwd
+
+    def small_row_tiling(n_rows, n_cols, *, max_tile=tile, max_block_rows=2, **kw):
+        return row_tiling(n_rows, n_cols, max_tile=min(max_tile, tile), max_block_rows=min(max_block_rows, 2), **kw)
+
+    def small_norm_tiling(n_rows, n_cols, centered=True):
+        t, cfg = norm_tiling(n_rows, n_cols, centered)
+        return dataclasses.replace(t, block_rows=min(t.block_rows, 2)), cfg
+
+    with contextlib.ExitStack() as stack:
+        for module, name, value in [(pallas_common, "row_tiling", small_row_tiling),
+                                    (_tuning, "norm_bwd", small_norm_tiling),
+                                    (pallas_common, "num_sms", lambda: sms),
+                                    (elementwise, "ELEMENTWISE_BLOCK", 2 * tile), (elementwise, "MAX_BLOCK_COLS", tile),
+                                    (vision, "PERMUTE_TILE", tile), (pooling, "MAX_BLOCK_COLS", tile),
+                                    (embedding, "CHUNK", 4), (embedding, "BLOCK_TOKENS", 2),
+                                    (embedding, "MAX_BLOCK_COLS", tile)]:
+            assert hasattr(module, name), (module.__name__, name)  # a renamed knob must not go unnoticed
+            stack.enter_context(mock.patch.object(module, name, value))
+        stack.enter_context(_tuning.use({arch: overrides for arch in ("sm_80", "sm_90", "sm_100")}))
+        yield
+
+
+def check_programs_independent(spec: OpSpec) -> None:
+    """10: on the Pallas path under :func:`small_tiles`, in float32, for every example: each
+    kernel the forward, the backward and (with forward mode) ``jax.jvp`` launch writes every
+    element of a fresh output from exactly one program, and nothing a program writes depends
+    on another's writes (:func:`record_program_writes`); the gradients still equal the
+    reference's; and for each kernel of ``spec.kernels`` and ``spec.jvp_kernels``, every axis
+    of its grid takes two or more programs in some launch (else a race between programs
+    along that axis could not show). On
+    a GPU the programs of a grid run in no fixed order, which interpret mode cannot show."""
+    forward_mode = bool(spec.forward_mode and _derivatives.FORWARD_MODE and spec.jvp_kernels)
+    axes: dict[str, list[int]] = {}  # per kernel, the largest size each grid axis took
+    for ex in spec.examples:
+        args, kwargs = _setup(ex, "float32")
+        diff = [args[i] for i in spec.diff_argnums]
+        f = spec.bind(args, kwargs, implementation="pallas")
+        with _interpret(), small_tiles(), record_program_writes() as reports:
+            out, vjp = jax.vjp(f, *diff)
+            ct = _cotangent(out)
+            grads = jax.block_until_ready(vjp(ct))
+            if forward_mode:
+                jax.block_until_ready(jax.jvp(f, tuple(diff), tuple(diff)))
+        races = [r for r in reports if r.multiply_written or r.unwritten or r.dependent]
+        assert not races, f"{spec.name}/{ex.name}: programs of a grid depend on each other: {races}"
+        for r in reports:
+            axes[r.kernel] = [max(a, b) for a, b in zip(axes.get(r.kernel, [0] * len(r.grid)), r.grid)]
+        f32, d32 = _truth(spec, args, kwargs)
+        assert_close(grads, jax.vjp(f32, *d32)[1](ct.astype(jnp.float32)), TOL["float32"])
+    want = set(spec.kernels) | (set(spec.jvp_kernels) if forward_mode else set())
+    single = {k: axes.get(k) for k in sorted(want) if not axes.get(k) or min(axes[k]) < 2}
+    assert not single, f"{spec.name}: no example gives these kernels' grid axes more than one program: {single}"

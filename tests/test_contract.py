@@ -3,7 +3,8 @@
 1 forward == reference; 2 grads == autodiff of the reference (and the kernel really ran);
 3 float64 numerical gradients (XLA path); 4 jit/vmap/grad-of-vmap/vmap-of-grad/checkpoint/
 scan; 5 lowering for CUDA at realistic shapes with the Triton kernels in the module;
-6 bad input errors; 7 residual budget; plus bitwise-deterministic kernel gradients.
+6 bad input errors; 7 residual budget; plus bitwise-deterministic kernel gradients (GPU) and
+programs of a grid independent of each other (interpret mode, each program alone).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbwd import config, registry
+from jaxbwd import config, registry, testing
 from jaxbwd.vjp import _derivatives as derivatives
 from jaxbwd.pallas import _common as pallas_common
 
@@ -112,6 +113,15 @@ def test_kernel_grads_are_deterministic(spec, ex, impl, dt):
         g1, g2 = bwd(ct), bwd(ct)
     for a, b in zip(g1, g2):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+# A GPU runs a grid's programs concurrently in no fixed order; interpret mode runs them one
+# after another, so a write-write race, a read of another program's output or an unwritten
+# output element gives right answers here. Each program run alone shows them (small tiles,
+# so that every kernel has several programs).
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.has_kernels], ids=lambda s: s.name)
+def test_programs_independent(spec):
+    testing.check_programs_independent(spec)
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.check_grads_order], ids=lambda s: s.name)

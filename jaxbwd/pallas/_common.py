@@ -433,8 +433,9 @@ def call(
     ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
     call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
     _check_can_run(name, interpret)
-    key = _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops, transcendentals,
-                      bytes_accessed, input_output_aliases, metadata)
+    wrap = LAUNCH_WRAPPER.get()
+    key = None if wrap else _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops,
+                                        transcendentals, bytes_accessed, input_output_aliases, metadata)
 
     def launch(*args):
         args, out = _vary_together(args, out_shape)
@@ -447,7 +448,7 @@ def call(
     extra = {"metadata": dict(metadata)} if metadata and _PALLAS_CALL_HAS_METADATA else {}
 
     def _launch(args, out):
-        return pl.pallas_call(
+        return (wrap or (lambda f: f))(pl.pallas_call)(
             kernel,
             out_shape=out,
             grid=tuple(int(g) for g in grid),
@@ -465,6 +466,12 @@ def call(
 
 
 _PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).parameters
+
+# Instrumentation for tests (jaxbwd.testing.record_program_writes): while set, ``call``
+# launches through ``wrapper(pl.pallas_call)`` and bypasses the eager launch cache, so no
+# instrumented launcher outlives the block and none cached before it is reused inside.
+LAUNCH_WRAPPER: contextvars.ContextVar[Callable[[Callable], Callable] | None] = contextvars.ContextVar(
+    "jaxbwd_launch_wrapper", default=None)
 
 # Eager (un-jitted) launches: ``pl.pallas_call`` traces its kernel anew on every call, and the
 # new kernel jaxpr misses JAX's primitive cache, so each eager call (a backward run outside

@@ -20,6 +20,9 @@ from jax.experimental import pallas as pl
 
 from jaxbwd.pallas import _common as C
 
+# Columns of the [N * H, W * C] view per program.
+MAX_BLOCK_COLS = 1024
+
 
 def _kernel(sel_ref, dy_ref, dx_ref, *, H, W, Cc, Ho, Wo, window, strides, pad_lo, block_cols):
     r = pl.program_id(0)
@@ -50,7 +53,7 @@ def max_pool2d_bwd(sel, dy, *, in_hw, window, strides, pad_lo, interpret: bool =
     N, Ho, Wo, Cc = dy.shape
     H, W = in_hw
     C.check_index_range("max_pool2d", rows=N * max(H, Ho), cols=W * Cc)
-    block_cols = min(C.next_pow2(W * Cc), 1024)
+    block_cols = min(C.next_pow2(W * Cc), MAX_BLOCK_COLS)
     n_cand = math.ceil(window[0] / strides[0]) * math.ceil(window[1] / strides[1])
     dx = C.call(
         functools.partial(_kernel, H=H, W=W, Cc=Cc, Ho=Ho, Wo=Wo, window=window, strides=strides,
