@@ -350,22 +350,25 @@ class ProgramWrites:
     """What the programs of one interpret-mode launch wrote to one output, each run alone.
 
     ``kernel``: the launch's name; ``output``: the output's index among the launch's flat
-    outputs; ``grid``: the launch's grid; ``programs``: its size; ``size``: the output's elements;
+    outputs; ``grid``: the launch's grid; ``size``: the output's elements;
     ``multiply_written``: elements two or more programs write (a write-write race on a GPU,
-    where programs run in no fixed order); ``unwritten``: elements of a fresh output no
-    program writes (uninitialised memory on a GPU; always 0 for an output aliased to an
-    input, which keeps what the kernel leaves); ``dependent``: elements a program writes
-    with another value alone than in the whole grid's run, so it read what another program
-    wrote (a read-after-write race on a GPU)."""
+    where programs run in no fixed order; counted even where they write equal values);
+    ``unwritten``: elements of a fresh output no program writes (uninitialised memory on a
+    GPU; always 0 for an output aliased to an input, which keeps what the kernel leaves);
+    ``dependent``: elements a program writes with a value that depends on what other
+    programs wrote (a read-after-write race on a GPU)."""
 
     kernel: str
     output: int
     grid: tuple[int, ...]
-    programs: int
     size: int
     multiply_written: int
     unwritten: int
     dependent: int
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
 
 
 def _as_bits(x):
@@ -373,15 +376,6 @@ def _as_bits(x):
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8)
     return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
-
-
-def _same(a, b):
-    """Equal elements; floats to within 1e-4 relative (XLA may sum in another order inside
-    the per-program loop than in the whole launch)."""
-    if jnp.issubdtype(a.dtype, jnp.floating):
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        return (jnp.abs(a - b) <= 1e-4 * jnp.maximum(1.0, jnp.abs(b))) | (jnp.isnan(a) & jnp.isnan(b))
-    return a == b
 
 
 def _fill(s, k: int):
@@ -398,8 +392,14 @@ def _fill(s, k: int):
 
 def _each_program_alone(reports: list, pallas_call):
     """``pallas_call`` (interpret mode), returning the whole grid's results as it does, and
-    also running every program of the grid alone (twice: outputs filled with two values) to
-    append one :class:`ProgramWrites` per output to ``reports`` when the launch runs."""
+    also running every program of the grid alone, twice, to append one
+    :class:`ProgramWrites` per output to ``reports`` when the launch runs.
+
+    Run 0 starts the fresh outputs filled with one value and the in-place outputs as their
+    inputs; run 1 starts the fresh outputs with another value and each in-place output as
+    the whole run left it, except the elements the program wrote in run 0 (those start as
+    the input again). A program that reads nothing another program writes writes the same
+    bits in both runs."""
     def make(kernel, *, out_shape, grid, input_output_aliases=None, interpret=False, name=None, **kw):
         launch = pallas_call(kernel, out_shape=out_shape, grid=grid, input_output_aliases=input_output_aliases,
                              interpret=interpret, name=name, **kw)
@@ -423,35 +423,32 @@ def _each_program_alone(reports: list, pallas_call):
 
                 @pl.when(linear == target_ref[0])
                 def _():
-                    program_id, pl.program_id = pl.program_id, lambda d: ids[d]
+                    program_id, pl.program_id = pl.program_id, lambda axis: ids[axis]
                     try:
                         kernel(*ins, *outs)
                     finally:
                         pl.program_id = program_id
 
-            def alone(target, k):
-                a = list(args)  # an in-place output starts as its input
-                fills = [_fill(shapes[o], k) for o in fresh]
-                io = {1 + i: o for o, i in aliased.items()}
-                io.update({1 + n_in + e: o for e, o in enumerate(fresh)})
-                f = pallas_call(gated, out_shape=out_shape, grid=grid, input_output_aliases=io, interpret=True,
+            io = {1 + i: o for o, i in aliased.items()}
+            io.update({1 + n_in + e: o for e, o in enumerate(fresh)})
+            alone = pallas_call(gated, out_shape=out_shape, grid=grid, input_output_aliases=io, interpret=True,
                                 name=name, **kw)
-                return jax.tree_util.tree_leaves(f(target[None], *a, *fills))
 
             def per_program(target):
-                runs = (alone(target, 0), alone(target, 1))
+                a = list(args)
+                run0 = jax.tree_util.tree_leaves(alone(target[None], *a, *(_fill(shapes[o], 0) for o in fresh)))
+                wrote = {o: _as_bits(run0[o]) != _as_bits(args[i]) for o, i in aliased.items()}
+                for o, i in aliased.items():
+                    a[i] = jnp.where(wrote[o], args[i], whole[o])
+                run1 = jax.tree_util.tree_leaves(alone(target[None], *a, *(_fill(shapes[o], 1) for o in fresh)))
                 res = []
                 for o, s in enumerate(shapes):
-                    if o in aliased:  # starts as its input in both runs: compare with the whole run
-                        got = runs[0][o]
-                        written = _as_bits(got) != _as_bits(args[aliased[o]])
-                        differs = ~_same(got, whole[o])
-                    else:  # a read of anything this program did not write sees the fills
-                        got = [_as_bits(r[o]) for r in runs]
-                        before = [_as_bits(_fill(s, k)) for k in (0, 1)]
-                        written = (got[0] != before[0]) | (got[1] != before[1])
-                        differs = got[0] != got[1]
-                    res.append((written, jnp.sum(written & differs)))
+                    got = [_as_bits(run0[o]), _as_bits(run1[o])]
+                    if o in aliased:
+                        written = wrote[o]
+                    else:
+                        written = (got[0] != _as_bits(_fill(s, 0))) | (got[1] != _as_bits(_fill(s, 1)))
+                    res.append((written, jnp.sum(written & (got[0] != got[1]))))
                 return res
 
             per = jax.lax.map(per_program, jnp.arange(math.prod(grid), dtype=jnp.int32))
@@ -468,26 +465,31 @@ def _each_program_alone(reports: list, pallas_call):
 
 def _report(reports, name, output, grid, aliased, writers, dependent):
     writers = np.asarray(writers)
-    reports.append(ProgramWrites(name, output, grid, math.prod(grid), int(writers.size), int((writers > 1).sum()),
+    reports.append(ProgramWrites(name, output, grid, int(writers.size), int((writers > 1).sum()),
                                  0 if aliased else int((writers == 0).sum()), int(dependent)))
 
 
 @contextlib.contextmanager
 def record_program_writes():
-    """Within the block, every Pallas (Triton) kernel launched in interpret mode through
-    jaxbwd's launcher also runs each program of its grid alone and records, per output, a
-    :class:`ProgramWrites` in the yielded list (when the launch runs).
+    """Within the block, every Pallas (Triton) kernel that jaxbwd's launcher sets up in
+    interpret mode (eagerly, or while a function is traced) also runs each program of its
+    grid alone and records, per output, a :class:`ProgramWrites` in the yielded list when
+    the launch runs.
 
     On a GPU a grid's programs run concurrently in no fixed order; interpret mode runs them
     one after another, so a kernel whose programs write the same element, read what another
     program wrote, or leave part of a fresh output unwritten still gives right answers there.
-    Each program alone, with the outputs filled first (twice, with two values), shows which
-    elements it writes and whether it writes them with the values of the whole grid's run.
-    Costs two extra runs of the kernel per program: for small shapes.
+    Each program run alone, with its outputs prepared two ways (``_each_program_alone``),
+    shows which elements it writes and whether what it writes depends on other programs.
+    Costs two runs of the whole grid per program: for small shapes.
+
+    Limits: a function traced before the block (a ``jax.jit`` cache hit) is not instrumented,
+    and one traced inside stays instrumented; atomic accumulation counts as a race; an
+    in-place output element that a program overwrites with the value it already held is
+    not seen as written.
 
     Yields:
-      a list, appended to as instrumented launches run (under ``jit``, when the compiled
-      function runs).
+      a list of :class:`ProgramWrites`, appended to as instrumented launches run.
     """
     reports: list[ProgramWrites] = []
     token = pallas_common.LAUNCH_WRAPPER.set(functools.partial(_each_program_alone, reports))
@@ -504,7 +506,9 @@ def small_tiles(block: int = 8, tile: int = 32, sms: int = 16):
     several steps, rows in several chunks and the embedding's hot-id path: the tuning
     table's block sizes become ``block`` (its column chunks ``tile``), row tilings hold at
     most ``tile`` elements in at most 2 rows (the norms' too), as do the elementwise,
-    permutation, pooling and embedding kernels' own tiles. For tests only: tiles this small would be slow on a GPU."""
+    permutation, pooling and embedding kernels' own tiles; column sums take 2 rows per step.
+    Eager launchers cached before the block are forgotten on entry, and those built inside
+    on exit. For tests only: tiles this small would be slow on a GPU."""
     from unittest import mock
 
     from jaxbwd.pallas import _tuning, elementwise, embedding, pooling, vision
@@ -536,28 +540,32 @@ def small_tiles(block: int = 8, tile: int = 32, sms: int = 16):
                                     (vision, "PERMUTE_TILE", tile), (pooling, "MAX_BLOCK_COLS", tile),
                                     (embedding, "CHUNK", 4), (embedding, "BLOCK_TOKENS", 2),
                                     (embedding, "MAX_BLOCK_COLS", tile)]:
-            assert hasattr(module, name), (module.__name__, name)  # a renamed knob must not go unnoticed
-            stack.enter_context(mock.patch.object(module, name, value))
+            stack.enter_context(mock.patch.object(module, name, value))  # AttributeError if a knob is renamed
         stack.enter_context(_tuning.use({arch: overrides for arch in ("sm_80", "sm_90", "sm_100")}))
+        # Kernel bodies read some of these constants as globals, which the eager launch
+        # cache's keys do not see: no launcher crosses the block's edges.
+        stack.callback(pallas_common.clear_launch_cache)
+        pallas_common.clear_launch_cache()
         yield
 
 
 def check_programs_independent(spec: OpSpec) -> None:
     """10: on the Pallas path under :func:`small_tiles`, in float32, for every example: each
-    kernel the forward, the backward and (with forward mode) ``jax.jvp`` launch writes every
-    element of a fresh output from exactly one program, and nothing a program writes depends
-    on another's writes (:func:`record_program_writes`); the gradients still equal the
-    reference's; and for each kernel of ``spec.kernels`` and ``spec.jvp_kernels``, every axis
-    of its grid takes two or more programs in some launch (else a race between programs
-    along that axis could not show). On
-    a GPU the programs of a grid run in no fixed order, which interpret mode cannot show."""
+    kernel that the op (not differentiated), its forward and backward and (with forward
+    mode) ``jax.jvp`` launch writes every element of a fresh output from exactly one program,
+    and nothing a program writes depends on another's writes (:func:`record_program_writes`);
+    the gradients still equal the reference's; and for each kernel of ``spec.kernels`` and
+    ``spec.jvp_kernels``, every axis of its grid takes two or more programs in some launch
+    (else a race between programs along that axis could not show). A GPU runs a grid's
+    programs in no fixed order, which interpret mode cannot show."""
     forward_mode = bool(spec.forward_mode and _derivatives.FORWARD_MODE and spec.jvp_kernels)
-    axes: dict[str, list[int]] = {}  # per kernel, the largest size each grid axis took
+    axes: dict[tuple[str, int], list[int]] = {}  # per kernel and grid rank, each axis's largest size
     for ex in spec.examples:
         args, kwargs = _setup(ex, "float32")
         diff = [args[i] for i in spec.diff_argnums]
         f = spec.bind(args, kwargs, implementation="pallas")
         with _interpret(), small_tiles(), record_program_writes() as reports:
+            jax.block_until_ready(f(*diff))
             out, vjp = jax.vjp(f, *diff)
             ct = _cotangent(out)
             grads = jax.block_until_ready(vjp(ct))
@@ -566,9 +574,12 @@ def check_programs_independent(spec: OpSpec) -> None:
         races = [r for r in reports if r.multiply_written or r.unwritten or r.dependent]
         assert not races, f"{spec.name}/{ex.name}: programs of a grid depend on each other: {races}"
         for r in reports:
-            axes[r.kernel] = [max(a, b) for a, b in zip(axes.get(r.kernel, [0] * len(r.grid)), r.grid)]
+            k = (r.kernel, len(r.grid))
+            axes[k] = [max(a, b) for a, b in zip(axes.get(k, r.grid), r.grid)]
         f32, d32 = _truth(spec, args, kwargs)
         assert_close(grads, jax.vjp(f32, *d32)[1](ct.astype(jnp.float32)), TOL["float32"])
     want = set(spec.kernels) | (set(spec.jvp_kernels) if forward_mode else set())
-    single = {k: axes.get(k) for k in sorted(want) if not axes.get(k) or min(axes[k]) < 2}
+    seen = {name for name, _ in axes}
+    single = {k: v for k, v in axes.items() if k[0] in want and v and min(v) < 2}
+    single.update({(name, None): None for name in sorted(want - seen)})
     assert not single, f"{spec.name}: no example gives these kernels' grid axes more than one program: {single}"

@@ -469,7 +469,8 @@ _PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).para
 
 # Instrumentation for tests (jaxbwd.testing.record_program_writes): while set, ``call``
 # launches through ``wrapper(pl.pallas_call)`` and bypasses the eager launch cache, so no
-# instrumented launcher outlives the block and none cached before it is reused inside.
+# launcher cached before the block runs uninstrumented inside it and none instrumented is
+# cached for later.
 LAUNCH_WRAPPER: contextvars.ContextVar[Callable[[Callable], Callable] | None] = contextvars.ContextVar(
     "jaxbwd_launch_wrapper", default=None)
 
@@ -484,6 +485,13 @@ LAUNCH_WRAPPER: contextvars.ContextVar[Callable[[Callable], Callable] | None] = 
 _LAUNCHERS: "collections.OrderedDict[Any, Callable]" = collections.OrderedDict()
 _LAUNCHERS_MAX = 128
 _LAUNCHERS_LOCK = threading.Lock()
+
+
+def clear_launch_cache() -> None:
+    """Forgets every cached eager launcher (for code that changes a constant a kernel body
+    reads, such as ``jaxbwd.testing.small_tiles``)."""
+    with _LAUNCHERS_LOCK:
+        _LAUNCHERS.clear()
 
 
 class _Unkeyable(Exception):
