@@ -25,7 +25,7 @@ once).
 
 What it needs: the CUDA PJRT plugin and three small NVIDIA wheels (``pip install -e
 ".[compile]"``: jax-cuda13-plugin/pjrt, nvJitLink, cuobjdump, nvdisasm, about 195 MB to
-download), on Python >= 3.12 with jax 0.12.0.1. XLA's flags are per process, so compiles run
+download), on Python >= 3.12 with jax 0.12.1. XLA's flags are per process, so compiles run
 in worker processes (``jobs`` of them); each compile writes its own kernel cache file.
 
 This is the one module that knows about XLA's GPU compiler, its cache format and NVIDIA's
@@ -138,7 +138,7 @@ _REQUIRED = (
 )
 _TOOLS = (("cuobjdump", "nvidia-cuda-cuobjdump"), ("nvdisasm", "nvidia-cuda-nvdisasm"))
 _LIBS = (("libnvJitLink.so", "nvidia-nvjitlink"),)
-INSTALL_HINT = 'pip install -e ".[compile]"  (Python >= 3.12; brings jax 0.12.0.1\'s CUDA plugin and NVIDIA\'s cuobjdump/nvdisasm/nvJitLink)'
+INSTALL_HINT = 'pip install -e ".[compile]"  (Python >= 3.12; brings jax 0.12.1\'s CUDA plugin and NVIDIA\'s cuobjdump/nvdisasm/nvJitLink)'
 
 
 def _nvidia_dirs(sub: str) -> list[str]:
@@ -695,9 +695,10 @@ def mosaic_rows(dump_dir: str) -> list[dict[str, Any]]:
         if f.endswith(".ptxas"):
             text = open(path, errors="replace").read()
             num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
-            row.update(registers=num(r"used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
+            # "used N registers" (jax 0.12.0.1's Mosaic GPU), "Used N registers" (0.12.1's).
+            row.update(registers=num(r"(?i)used (\d+) registers"), stack=num(r"(\d+) bytes stack frame"),
                        spill_stores=num(r"(\d+) bytes spill stores"), spill_loads=num(r"(\d+) bytes spill loads"),
-                       static_smem=num(r"info\s+: used .* (\d+) bytes smem"), local=0,
+                       static_smem=num(r"(?i)info\s+: used .* (\d+) bytes smem"), local=0,
                        wgmma_serialized="wgmma.mma_async instructions are serialized" in text,
                        setmaxnreg_ignored="'setmaxnreg' ignored" in text)
         elif f.endswith(".ptx"):

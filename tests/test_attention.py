@@ -200,9 +200,11 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
 
 @pytest.mark.parametrize("H,dtype,arch,precision", [
     (256, "bfloat16", "sm_90", None), (256, "float32", "sm_90", None), (80, "float32", "sm_90", None),
-    (64, "float32", "sm_90", None), (80, "float32", "sm_80", None), (64, "bfloat16", "sm_80", None),
+    (64, "float32", "sm_90", None), (80, "float32", "sm_80", None), (64, "float32", "sm_80", None),
+    (64, "bfloat16", "sm_80", None),
     (256, "float32", "sm_80", None), (128, "float32", "sm_90", "highest"), (256, "float32", "sm_80", "highest"),
-    (64, "float32", "sm_80", "highest"), (80, "float32", "sm_100", None), (256, "bfloat16", "sm_100", None),
+    (64, "float32", "sm_80", "highest"), (64, "float32", "sm_90", "highest"), (80, "float32", "sm_100", None),
+    (256, "bfloat16", "sm_100", None),
     (80, "float32", "sm_100", "highest"), (64, "float32", "sm_100", "highest")])
 def test_tuning_tables_own_tiles(H, dtype, arch, precision, monkeypatch):
     # The table's own tiles for one architecture (interpret mode: no block override), which

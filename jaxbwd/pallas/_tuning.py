@@ -105,6 +105,10 @@ _ATTENTION_X3_SM90 = {
     # S^T = K Q^T on 64 key rows keeps every dk/dv dot on wgmma here too (129 instructions
     # per S element; 144 on mma.sync at the capped 32 x 32).
     "attention_bwd_dkdv/h64/f32/x3": _(16, 64, num_warps=4, num_stages=1, keys_first=True),
+    # The tangent pass at head_dim 64: the f32 tile with two stages spilled 8 B under jax
+    # 0.12.1's compiler (window + softcap); one stage: 255 registers, no spills, the same 117
+    # main-loop instructions per score element (64 x 16 on two stages: 154).
+    "attention_jvp/h64/f32/x3": _(64, 32, num_warps=4, num_stages=1),
 }
 _ATTENTION_X3_SM80 = {
     **_ATTENTION_X3,
@@ -272,6 +276,10 @@ TABLE: dict[str, dict[str, Config]] = {
         # and 56 B (16-bit); these compile without spills at 192-255 registers.
         "attention_jvp/h128/f32": _(16, 64, num_warps=8, num_stages=1),
         "attention_jvp/h128/16bit": _(32, 64, num_warps=8, num_stages=1),
+        # and at head_dim 64 in f32 (jax 0.12.1's compiler): 64 x 32 on 4 warps spilled 8 B
+        # with a window and softcap; 32 x 32 compiles at 226 registers, no spills, 81 main-loop
+        # instructions per score element against 95.
+        "attention_jvp/h64/f32": _(32, 32, num_warps=4, num_stages=2),
         # f32 at head_dim 256: S^T = K Q^T (keys_first) on 32 key x 16 query rows, 8 warps:
         # 241 registers, no spills, 984 -> 487 main-loop instructions per S element (16 x 16
         # without keys_first before; 1952 B of spills at 32 x 32).
@@ -302,6 +310,8 @@ TABLE: dict[str, dict[str, Config]] = {
         # blocks, so that grid is two full waves (taking 2 here would leave the others half
         # a wave).
         "batch_norm_bwd_reduce": _(32, 128, num_warps=4, blocks_per_sm=4),
+        # group_norm's fused-SiLU 16-bit sums: 124 registers (jax 0.12.1's compiler), 4 blocks.
+        "group_norm_bwd/silu/16bit": _(0, 2048, num_warps=8, blocks_per_sm=4),
     },
 }
 # sm_100 (B200, tcgen05: the MMA's accumulator lives in tensor memory, 512 f32 columns per SM):

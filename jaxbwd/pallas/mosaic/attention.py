@@ -33,10 +33,11 @@ KiB = 96 KiB; dq 64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 Ki
 128 registers per thread, so the forward and dq run one consumer warpgroup (255 registers
 per thread with two warpgroups per CTA), and dk and dv, which would hold two, run as two
 kernels that each recompute the scores (8 matmuls per key/query block pair in the backward
-instead of 7). At 256, compiled for an H200: forward 234 registers, dv 254-255, no spills;
-dq and dk 255 with up to 128 bytes of spills per thread (the accumulator beside the [64, 64]
-score, probability and dP tiles). Shared memory at 256: forward 164 KiB, dq and dk 195 KiB,
-dv 162 KiB. Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
+instead of 7). At 256, compiled for an H200 with jax 0.12.1 (whose Mosaic GPU gives every
+kernel 232 registers): forward no spills; dq 256, dk 216 and dv 8 bytes of spills per thread
+(the accumulator beside the [64, 64] score, probability and dP tiles; with jax 0.12.0.1's
+255 registers, dq and dk 128 and dv none). Shared memory at 256: forward 164 KiB, dq and dk
+195 KiB, dv 162 KiB. Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
 tiles (zero rows/keys, masked).
 
 Masks (causal, sliding window, segment ids, the sequence tails) are applied per element on
