@@ -42,7 +42,9 @@ SWIZZLE_BYTES = 128
 # (2 x 232 + 40) x 128 threads = 64,512 of an SM's 65,536 registers. With jax 0.12.0.1 ptxas
 # ignores it (C7504, "to maintain compatibility across compilation units": seen with
 # ``python -m jaxbwd compile``), so each thread gets 65536 / threads; the kernels' tiles are
-# sized for that, and the request stays for a toolchain that honours it.
+# sized for that. jax 0.12.1's ptxas honours it: the kernels with one consumer warpgroup
+# (head dim 256) then hold 232 registers where they had 255 and spill more (see
+# mosaic/attention.py).
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
