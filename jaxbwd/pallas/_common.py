@@ -433,21 +433,21 @@ def call(
     ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
     call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
     _check_can_run(name, interpret)
-    wrap = LAUNCH_WRAPPER.get()
-    key = None if wrap else _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops,
-                                        transcendentals, bytes_accessed, input_output_aliases, metadata)
+    key = _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops, transcendentals,
+                      bytes_accessed, input_output_aliases, metadata)
 
     def launch(*args):
+        wrap = LAUNCH_WRAPPER.get()  # at launch: a ``call`` made once (a user op's) is instrumented too
         args, out = _vary_together(args, out_shape)
         token = _INTERPRETING.set(bool(interpret))
         try:
-            return run_cached(key, lambda *a: _launch(a, out), args)
+            return run_cached(None if wrap else key, lambda *a: _launch(a, out, wrap), args)
         finally:
             _INTERPRETING.reset(token)
 
     extra = {"metadata": dict(metadata)} if metadata and _PALLAS_CALL_HAS_METADATA else {}
 
-    def _launch(args, out):
+    def _launch(args, out, wrap):
         return (wrap or (lambda f: f))(pl.pallas_call)(
             kernel,
             out_shape=out,
@@ -467,10 +467,10 @@ def call(
 
 _PALLAS_CALL_HAS_METADATA = "metadata" in inspect.signature(pl.pallas_call).parameters
 
-# Instrumentation for tests (jaxbwd.testing.record_program_writes): while set, ``call``
-# launches through ``wrapper(pl.pallas_call)`` and bypasses the eager launch cache, so no
-# launcher cached before the block runs uninstrumented inside it and none instrumented is
-# cached for later.
+# Instrumentation for tests (jaxbwd.testing.record_program_writes): while set, a launch goes
+# through ``wrapper(pl.pallas_call)`` and bypasses the eager launch cache, so no launcher
+# cached before the block runs uninstrumented inside it and none instrumented is cached for
+# later.
 LAUNCH_WRAPPER: contextvars.ContextVar[Callable[[Callable], Callable] | None] = contextvars.ContextVar(
     "jaxbwd_launch_wrapper", default=None)
 
