@@ -42,9 +42,8 @@ SWIZZLE_BYTES = 128
 # (2 x 232 + 40) x 128 threads = 64,512 of an SM's 65,536 registers. With jax 0.12.0.1 ptxas
 # ignores it (C7504, "to maintain compatibility across compilation units": seen with
 # ``python -m jaxbwd compile``), so each thread gets 65536 / threads; the kernels' tiles are
-# sized for that. jax 0.12.1's ptxas honours it: the kernels with one consumer warpgroup
-# (head dim 256) then hold 232 registers where they had 255 and spill more (see
-# mosaic/attention.py).
+# sized for that. jax 0.12.1's ptxas honours it. Only two-consumer CTAs (384 threads, an even
+# share of 168) ask for it: see ``split_registers``.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
@@ -61,6 +60,19 @@ load = plgpu.load
 layout_cast = plgpu.layout_cast
 broadcasted_iota = plgpu.broadcasted_iota
 set_max_registers = plgpu.set_max_registers
+
+
+def split_registers(consumers: int, producer: bool) -> None:
+    """Moves registers from the producer warpgroup to the consumers (``setmaxnreg``) where an
+    even share is too small: with two consumers, 168 per thread becomes 232 (consumers) and 40
+    (producer). A one-consumer CTA (256 threads) already gets 255 per thread, and setmaxnreg
+    could only lower that: its largest request below 256 is 248, and 256 makes ptxas drop every
+    request in the module. Measured with ``python -m jaxbwd compile`` (jax 0.12.1, head dim
+    256, bf16, bytes of stack per thread for dq/dk/dv): 256/216/8 asking 232, 160/152/0 asking
+    248, 152/128/0 asking nothing (128/128/0 on jax 0.12.0.1, whose ptxas ignored requests)."""
+    if consumers > 1:
+        set_max_registers(PRODUCER_REGISTERS if producer else CONSUMER_REGISTERS,
+                          action="decrease" if producer else "increase")
 
 
 def swizzle_elems(dtype) -> int:
@@ -265,14 +277,14 @@ def col_vector(ref):
 
 
 # ----------------------------------------------------------------------- the shared ring
-def produce(lo, hi, stages: int, sources, consumed) -> None:
+def produce(lo, hi, stages: int, sources, consumed, consumers: int) -> None:
     """The producer warpgroup: TMA-loads streamed blocks ``lo .. hi-1`` into ``stages`` slots.
 
     ``sources``: (``src(step)`` -> GMEM ref view of that block, SMEM ring [stages, ...],
     "loaded" barriers [stages]). Slot ``s`` is refilled after the consumers' ``stages``-th
     previous step arrived on ``consumed[s]``.
     """
-    set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    split_registers(consumers, producer=True)
 
     @pl.loop(lo, hi)
     def _(step):

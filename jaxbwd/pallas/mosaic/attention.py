@@ -33,12 +33,12 @@ KiB = 96 KiB; dq 64 KiB q/do + 64 KiB ring = 128 KiB; dk/dv (one consumer) 32 Ki
 128 registers per thread, so the forward and dq run one consumer warpgroup (255 registers
 per thread with two warpgroups per CTA), and dk and dv, which would hold two, run as two
 kernels that each recompute the scores (8 matmuls per key/query block pair in the backward
-instead of 7). At 256, compiled for an H200 with jax 0.12.1 (whose Mosaic GPU gives every
-kernel 232 registers): forward no spills; dq 256, dk 216 and dv 8 bytes of spills per thread
-(the accumulator beside the [64, 64] score, probability and dP tiles; with jax 0.12.0.1's
-255 registers, dq and dk 128 and dv none). Shared memory at 256: forward 164 KiB, dq and dk
-195 KiB, dv 162 KiB. Head dims are padded to a multiple of 64 (a swizzled row), sequences to whole
-tiles (zero rows/keys, masked).
+instead of 7). At 256, compiled for an H200 with jax 0.12.1: forward no spills; dq 152 and dk
+128 bytes of spills per thread, dv none (the accumulator beside the [64, 64] score,
+probability and dP tiles; jax 0.12.0.1: dq and dk 128). One-consumer kernels keep the even
+share of 255 registers per thread (``_mgpu.split_registers``). Shared memory at 256: forward
+164 KiB, dq and dk 195 KiB, dv 162 KiB. Head dims are padded to a multiple of 64 (a swizzled
+row), sequences to whole tiles (zero rows/keys, masked).
 
 Masks (causal, sliding window, segment ids, the sequence tails) are applied per element on
 the blocks that need them; the forward and dq walk the key blocks every row of the CTA
@@ -209,7 +209,7 @@ def _consume_kv(d: Dims, qi, cta: int, lo, hi, bk: int, st: int, consumed, step,
     return M.consume(mid, hi, st, consumed, step, carry, base=lo)
 
 
-def _produce_kv(lo, hi, st, consumed, bk, b, kvh, k, v, ks) -> None:
+def _produce_kv(lo, hi, st, consumed, nc, bk, b, kvh, k, v, ks) -> None:
     """The producer of a query-row program (forward, dq): streams key blocks ``lo .. hi-1``
     of batch ``b``, kv head ``kvh``; ``k``, ``v``, ``ks`` (segment ids, or None) are each
     (GMEM ref, SMEM ring, barriers)."""
@@ -218,7 +218,7 @@ def _produce_kv(lo, hi, st, consumed, bk, b, kvh, k, v, ks) -> None:
     if ks is not None:
         ref, ring, bar = ks
         sources.append((lambda j: ref.at[b, M.ds(j * bk, bk)], ring, bar))
-    M.produce(lo, hi, st, sources, consumed)
+    M.produce(lo, hi, st, sources, consumed, nc)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -238,12 +238,12 @@ def _fwd_body(*refs, d: Dims, p: _Plan):
 
     @M.when(wg == nc)
     def _producer():
-        _produce_kv(lo, hi, st, consumed, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
+        _produce_kv(lo, hi, st, consumed, nc, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
                     (ks_ref, ks_ring, ks_bar) if d.segments else None)
 
     @M.when(wg < nc)
     def _consumer():
-        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        M.split_registers(nc, producer=False)
         r0 = qi * cta + wg * BQ
         qsm = q_smem.at[wg]
         M.copy_gmem_to_smem(q_ref.at[b, M.ds(r0, BQ), n], qsm, q_bar.at[wg])
@@ -365,12 +365,12 @@ def _dq_body(*refs, d: Dims, p: _Plan):
 
     @M.when(wg == nc)
     def _producer():
-        _produce_kv(lo, hi, st, consumed, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
+        _produce_kv(lo, hi, st, consumed, nc, bk, b, kvh, (k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar),
                     (ks_ref, ks_ring, ks_bar) if d.segments else None)
 
     @M.when(wg < nc)
     def _consumer():
-        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        M.split_registers(nc, producer=False)
         r0 = qi * cta + wg * BQ
         rows_at = (b, M.ds(r0, BQ), n)
         loads = [(q_ref.at[rows_at], q_smem.at[wg]), (do_ref.at[rows_at], do_smem.at[wg]),
@@ -454,11 +454,11 @@ def _dkdv_body(*refs, d: Dims, p: _Plan, part: str):
             sources.append((lambda s: delta_ref.at[b, head(s), rows(s)], delta_ring, delta_bar))
         if d.segments:
             sources.append((lambda s: qs_ref.at[b, rows(s)], qs_ring, qs_bar))
-        M.produce(lo, hi, st, sources, consumed)
+        M.produce(lo, hi, st, sources, consumed, nc)
 
     @M.when(wg < nc)
     def _consumer():
-        M.set_max_registers(M.CONSUMER_REGISTERS, action="increase")
+        M.split_registers(nc, producer=False)
         c0 = ci * cta + wg * BQ
         cols_at = (b, M.ds(c0, BQ), kvh)
         loads = [(k_ref.at[cols_at], k_smem.at[wg])]
