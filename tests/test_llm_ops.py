@@ -641,3 +641,33 @@ def test_ce_where_needs_no_smoothing():
     with pytest.raises(ValueError, match="cross_entropy: where needs label_smoothing == 0"):
         jaxbwd.cross_entropy(jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32), where=jnp.ones((2, 3), bool),
                              label_smoothing=0.1)
+
+
+def test_cross_entropy_grad_kernel_programs_independent():
+    # The vocabulary-parallel backward's kernel (a shard's gradient from the combined row
+    # statistics) runs only under a mesh, which the contract's program check does not build;
+    # here it runs alone on one shard's logits: labels outside the shard are -1, and the
+    # statistics come from the whole vocabulary.
+    from jaxbwd import testing
+    from jaxbwd.pallas import losses as ce_kernels
+    from jaxbwd.vjp import losses as ce_vjp
+
+    V, shard = 96, slice(32, 80)  # a 48-class shard of a 96-class vocabulary
+    full = _normal(0, (11, V)) * 3.0
+    labels = jnp.array([3, 40, 79, 95, 32, -1, 50, 0, 60, 47, 80], jnp.int32)
+    local = jnp.where((labels >= shard.start) & (labels < shard.stop), labels - shard.start, -1)
+    m = jnp.max(full, axis=-1)
+    s = jnp.sum(jnp.exp(full - m[:, None]), axis=-1)
+    w = jnp.where(labels >= 0, 1.0 / 10, 0.0).astype(jnp.float32)
+    x = full[:, shard]
+    args = (x, local, m, s, w)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, n_classes=V)
+    with testing.small_tiles(), testing.record_program_writes() as reports:
+        d = ce_kernels.cross_entropy_grad(*args, **kw, interpret=True)
+    (r,) = reports
+    assert r.kernel == "cross_entropy_grad" and min(r.grid) >= 2, r  # both grid axes split
+    assert (r.multiply_written, r.unwritten, r.dependent) == (0, 0, 0), r
+    chex.assert_trees_all_close(d, ce_vjp._xla_grad(x, local, m, s, w, 0.1, 1e-3, V), rtol=1e-5, atol=1e-7)
+    # and the shard's gradient is that slice of the whole vocabulary's
+    d_full = jax.grad(lambda l: ref.cross_entropy(l, labels, label_smoothing=0.1, z_loss=1e-3))(full)
+    chex.assert_trees_all_close(d, d_full[:, shard], rtol=1e-5, atol=1e-6)
