@@ -26,6 +26,9 @@ mode on a machine without a GPU) and every dtype of ``spec.dtypes``:
     writing what another writes or reading what another wrote, and no output element left
     unwritten (``check_programs_independent``: a GPU runs a grid's programs in no fixed
     order, interpret mode one after another).
+11. on the Pallas path, at the table's tiles and at small ones, no load or store whose mask
+    lets a lane outside its operand (``check_in_bounds``: interpret mode clamps such a lane,
+    a GPU reads or writes another buffer).
 
 jaxbwd's own ops also run ``tests/test_contract.py``, which adds more: determinism, strict
 dtype promotion, 16-bit transforms, x64 tracing, ``jacfwd``, Hessian-vector products.
@@ -338,6 +341,13 @@ class OpContract:
     def test_grad_of_grad_matches_reference(self, impl):
         check_second_order(self.spec, impl)
 
+    def test_loads_and_stores_in_bounds(self):
+        if not self.spec.has_kernels:
+            pytest.skip(f"{self.spec.name}: no Pallas kernel")
+        if not check_in_bounds(self.spec):
+            pytest.skip(f"{self.spec.name}: no kernel launched through jaxbwd's launcher "
+                        "(a kernel calling pl.pallas_call itself is not seen)")
+
     def test_programs_independent(self):
         if not self.spec.has_kernels:
             pytest.skip(f"{self.spec.name}: no Pallas kernel")
@@ -500,6 +510,113 @@ def record_program_writes():
         yield reports
     finally:
         pallas_common.LAUNCH_WRAPPER.reset(token)
+
+
+# --------------------------------------------------------------------- bounds of memory
+@dataclasses.dataclass(frozen=True)
+class OutOfBounds:
+    """Lanes of one load or store, in one program of an interpret-mode launch, that the mask
+    lets through at an index outside the ref. ``kernel``: the launch's name; ``kind``:
+    ``"load"`` or ``"store"``; ``shape``: the ref's shape; ``program``: the program's grid
+    indices; ``lanes``: how many lanes."""
+
+    kernel: str
+    kind: str
+    shape: tuple[int, ...]
+    program: tuple[int, ...]
+    lanes: int
+
+
+def _bounds_checked(reports: list, kernels: set, pallas_call):
+    """``pallas_call`` whose kernel, in interpret mode, reports out-of-bounds lanes of every
+    ``_common.load``/``store`` it traces (``_common.BOUNDS_REPORT``) to ``reports``, and
+    adds its name to ``kernels``."""
+    def make(kernel, *, grid, interpret=False, name=None, **kw):
+        if interpret is not True:  # the Triton kernels' interpret mode only; a GPU lowering stays as it is
+            return pallas_call(kernel, grid=grid, interpret=interpret, name=name, **kw)
+        rank = len(tuple(grid))
+        kernels.add(name)
+
+        def checked(*refs):
+            # Read at the kernel's top level: interpret mode substitutes program_id only there,
+            # not inside the loops and branches where the loads are.
+            ids = [pl.program_id(d) for d in range(rank)]
+
+            def report(kind, shape, lanes):
+                jax.debug.callback(functools.partial(_record_bounds, reports, name, kind, shape), lanes, *ids)
+
+            token = pallas_common.BOUNDS_REPORT.set(report)
+            try:
+                return kernel(*refs)
+            finally:
+                pallas_common.BOUNDS_REPORT.reset(token)
+
+        return pallas_call(checked, grid=grid, interpret=interpret, name=name, **kw)
+
+    return make
+
+
+def _record_bounds(reports, name, kind, shape, lanes, *ids):
+    lanes = np.asarray(lanes)
+    if lanes.sum():
+        reports.append(OutOfBounds(name, kind, shape, tuple(int(np.max(i)) for i in ids), int(lanes.sum())))
+
+
+@contextlib.contextmanager
+def record_out_of_bounds(kernels: Optional[set] = None):
+    """Within the block, every Pallas (Triton) kernel that jaxbwd's launcher sets up in
+    interpret mode checks each masked load and store it makes through
+    ``jaxbwd.pallas._common.load``/``store``: a lane the mask lets through must index inside
+    the ref. Each offending access of each program appends an :class:`OutOfBounds` to the
+    yielded list when the launch runs.
+
+    Interpret mode gathers with clamped indices and drops out-of-range scatters, so such a
+    lane still gives a plausible answer there; compiled for a GPU it reads another buffer's
+    memory (a wrong answer that a tolerance may hide) or writes over it, or faults.
+
+    Limits: a function traced before the block (a ``jax.jit`` cache hit) is not checked;
+    nor is a load written as ``ref[i]`` instead of through ``_common`` (attention's segment
+    block bounds, dropout's key), nor a kernel that calls ``pl.pallas_call`` itself.
+
+    Args:
+      kernels: a set to which the names of the launches checked are added, if given.
+    Yields:
+      a list of :class:`OutOfBounds`, appended to as checked launches run.
+    """
+    reports: list[OutOfBounds] = []
+    kernels = set() if kernels is None else kernels
+    token = pallas_common.LAUNCH_WRAPPER.set(functools.partial(_bounds_checked, reports, kernels))
+    try:
+        yield reports
+    finally:
+        pallas_common.LAUNCH_WRAPPER.reset(token)
+
+
+def check_in_bounds(spec: OpSpec) -> set:
+    """11: on the Pallas path, for every example, at the tuning table's tiles in each dtype of
+    ``spec.dtypes`` and under :func:`small_tiles` in float32: every load and store of the
+    kernels that the op (not differentiated), its forward and backward and (with forward
+    mode) ``jax.jvp`` launch touches only elements inside its operand where its mask is true
+    (:func:`record_out_of_bounds`): the tails of rows, columns and blocks are masked.
+
+    Returns: the names of the kernels checked (none: no launch went through jaxbwd's launcher)."""
+    forward_mode = bool(spec.forward_mode and _derivatives.FORWARD_MODE and spec.jvp_kernels)
+    runs = [(dt, contextlib.nullcontext) for dt in spec.dtypes] + [("float32", small_tiles)]
+    launched: set = set()
+    for ex in spec.examples:
+        for dt, tiles in runs:
+            args, kwargs = _setup(ex, dt)
+            diff = [args[i] for i in spec.diff_argnums]
+            f = spec.bind(args, kwargs, implementation="pallas")
+            with _interpret(), tiles(), record_out_of_bounds(launched) as reports:
+                jax.block_until_ready(f(*diff))
+                out, vjp = jax.vjp(f, *diff)
+                jax.block_until_ready(vjp(_cotangent(out)))
+                if forward_mode:
+                    jax.block_until_ready(jax.jvp(f, tuple(diff), tuple(diff)))
+            where = f"{spec.name}/{ex.name} ({dt}{', small tiles' if tiles is small_tiles else ''})"
+            assert not reports, f"{where}: masked-in lanes outside their operand: {reports[:8]}"
+    return launched
 
 
 @contextlib.contextmanager

@@ -124,6 +124,16 @@ def test_programs_independent(spec):
     testing.check_programs_independent(spec)
 
 
+# Interpret mode clamps a gather's indices and drops a scatter's out-of-range ones, so a load
+# or store whose mask lets a lane past a tail gives right answers here and reads or writes
+# another buffer on a GPU.
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.has_kernels], ids=lambda s: s.name)
+def test_loads_and_stores_in_bounds(spec):
+    checked = testing.check_in_bounds(spec)
+    want = set(spec.kernels) | (set(spec.jvp_kernels) if spec.forward_mode and derivatives.FORWARD_MODE else set())
+    assert want <= checked, f"{spec.name}: kernels never launched by its examples: {sorted(want - checked)}"
+
+
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.check_grads_order], ids=lambda s: s.name)
 def test_numerical_grads_float64_xla(spec):
     from jax.test_util import check_grads

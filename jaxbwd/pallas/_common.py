@@ -157,11 +157,34 @@ def tile_index(block_row, block_col, t: RowTiling):
 
 def load(ref, idx, mask, other=0.0, dtype=jnp.float32):
     """Masked load of ``ref.at[idx]``, out-of-bounds lanes set to ``other``, cast to ``dtype``."""
+    _check_bounds("load", ref, idx, mask)
     return plgpu.load(ref.at[idx], mask=mask, other=other).astype(dtype)
 
 
 def store(ref, idx, value, mask):
+    _check_bounds("store", ref, idx, mask)
     plgpu.store(ref.at[idx], value.astype(ref.dtype), mask=mask)
+
+
+# Instrumentation for tests (jaxbwd.testing.record_out_of_bounds): while set, ``load`` and
+# ``store`` also pass ``(kind, ref shape, lanes)`` to it, ``lanes`` the number of lanes that
+# the mask lets through at an index outside the ref. Interpret mode gathers and scatters with
+# clamped or dropped indices, so such a lane gives a plausible answer there; on a GPU it reads
+# or writes another buffer's memory, or faults.
+BOUNDS_REPORT: contextvars.ContextVar[Callable[[str, tuple, Any], None] | None] = contextvars.ContextVar(
+    "jaxbwd_bounds_report", default=None)
+
+
+def _check_bounds(kind: str, ref, idx, mask) -> None:
+    report = BOUNDS_REPORT.get()
+    if report is None:
+        return
+    inside = jnp.bool_(True)
+    for extent, i in zip(ref.shape, idx if isinstance(idx, tuple) else (idx,)):
+        i = jnp.asarray(i)  # kernels index with int arrays and scalars (broadcast together), no slices
+        inside = inside & (i >= 0) & (i < extent)
+    outside = ~inside if mask is None else jnp.asarray(mask) & ~inside
+    report(kind, tuple(ref.shape), jnp.sum(outside.astype(jnp.int32)))
 
 
 def load_tile(ref, rows, cols, mask, other=0.0):
