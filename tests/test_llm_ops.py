@@ -643,7 +643,7 @@ def test_ce_where_needs_no_smoothing():
                              label_smoothing=0.1)
 
 
-def test_cross_entropy_grad_kernel_programs_independent():
+def test_cross_entropy_grad_kernel_programs_independent_and_in_bounds():
     # The vocabulary-parallel backward's kernel (a shard's gradient from the combined row
     # statistics) runs only under a mesh, which the contract's program check does not build;
     # here it runs alone on one shard's logits: labels outside the shard are -1, and the
@@ -667,6 +667,11 @@ def test_cross_entropy_grad_kernel_programs_independent():
     (r,) = reports
     assert r.kernel == "cross_entropy_grad" and min(r.grid) >= 2, r  # both grid axes split
     assert (r.multiply_written, r.unwritten, r.dependent) == (0, 0, 0), r
+    for tiles in (testing.small_tiles, contextlib.nullcontext):
+        checked = set()
+        with tiles(), testing.record_out_of_bounds(checked) as outside:
+            jax.block_until_ready(ce_kernels.cross_entropy_grad(*args, **kw, interpret=True))
+        assert checked == {"cross_entropy_grad"} and not outside, outside
     chex.assert_trees_all_close(d, ce_vjp._xla_grad(x, local, m, s, w, 0.1, 1e-3, V), rtol=1e-5, atol=1e-7)
     # and the shard's gradient is that slice of the whole vocabulary's
     d_full = jax.grad(lambda l: ref.cross_entropy(l, labels, label_smoothing=0.1, z_loss=1e-3))(full)
