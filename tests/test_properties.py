@@ -4,8 +4,9 @@ The contract (``tests/test_contract.py``) runs each op at a few hand-picked shap
 hypothesis draws the awkward ones (sizes of 1, primes, sizes just past a block, several
 leading dims, ignored labels, repeated ids, GQA groups, causal with more keys than queries)
 and checks the forward and a random-cotangent VJP of both implementations (the kernels in
-interpret mode) against the plain-jnp reference differentiated by JAX, at the contract's
-tolerances (``jaxbwd.testing.TOL``). Plus the invariants a softmax-like gradient must keep:
+interpret mode, every load and store bounds-checked: ``jaxbwd.testing.record_out_of_bounds``)
+against the plain-jnp reference differentiated by JAX, at the contract's tolerances
+(``jaxbwd.testing.TOL``). Plus the invariants a softmax-like gradient must keep:
 each row of softmax's and cross_entropy's input gradient sums to 0.
 
 Draws are derandomized (the same examples in every run, so CI is reproducible), few per op
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jaxbwd
 from jaxbwd import reference as ref
-from jaxbwd.testing import TOL, assert_close
+from jaxbwd.testing import TOL, assert_close, record_out_of_bounds
 
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -47,10 +48,11 @@ def _f32(t):
 def check_vjp(op, reference, diff, dtype, seed=0):
     """``op(*diff)`` (interpret mode for kernels) and its VJP for a random cotangent, against
     the reference on float32 copies; dtypes and shapes as the inputs'."""
-    with jaxbwd.config.use(interpret=True):
+    with jaxbwd.config.use(interpret=True), record_out_of_bounds() as outside:
         out, vjp = jax.vjp(op, *diff)
         ct = _normal(seed + 1, out.shape, out.dtype)
-        grads = vjp(ct)
+        grads = jax.block_until_ready(vjp(ct))
+    assert not outside, outside  # no masked-in lane of a kernel outside its operand at these shapes
     want, vjp_ref = jax.vjp(reference, *_f32(diff))
     assert out.shape == want.shape and out.dtype == jnp.result_type(*diff), (out.shape, want.shape, out.dtype)
     for g, d in zip(grads, diff):
