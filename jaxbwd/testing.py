@@ -576,7 +576,8 @@ def record_out_of_bounds(kernels: Optional[set] = None):
 
     Limits: a function traced before the block (a ``jax.jit`` cache hit) is not checked;
     nor is a load written as ``ref[i]`` instead of through ``_common`` (attention's segment
-    block bounds, dropout's key), nor a kernel that calls ``pl.pallas_call`` itself.
+    block bounds, dropout's key), nor a kernel that calls ``pl.pallas_call`` itself; slice
+    indices (``pl.ds``) are taken as inside (jaxbwd's kernels index with integer arrays).
 
     Args:
       kernels: a set to which the names of the launches checked are added, if given.
