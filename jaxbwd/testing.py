@@ -518,7 +518,7 @@ class OutOfBounds:
     """Lanes of one load or store, in one program of an interpret-mode launch, that the mask
     lets through at an index outside the ref. ``kernel``: the launch's name; ``kind``:
     ``"load"`` or ``"store"``; ``shape``: the ref's shape; ``program``: the program's grid
-    indices; ``lanes``: how many lanes."""
+    indices; ``lanes``: how many elements."""
 
     kernel: str
     kind: str
@@ -570,14 +570,21 @@ def record_out_of_bounds(kernels: Optional[set] = None):
     the ref. Each offending access of each program appends an :class:`OutOfBounds` to the
     yielded list when the launch runs.
 
-    Interpret mode gathers with clamped indices and drops out-of-range scatters, so such a
-    lane still gives a plausible answer there; compiled for a GPU it reads another buffer's
-    memory (a wrong answer that a tolerance may hide) or writes over it, or faults.
+    Interpret mode indexes as NumPy does (negative indices wrap; gathers past the end clamp
+    or pad, scatters there are dropped), so such a lane can still give a plausible answer
+    there; compiled for a GPU it reads another buffer's memory (a wrong answer that a
+    tolerance may hide) or writes over it, or faults.
+
+    The check adds a host callback to each interpreted kernel, which can change how XLA
+    compiles it for the CPU: results may differ from an unchecked run in the last bit.
 
     Limits: a function traced before the block (a ``jax.jit`` cache hit) is not checked;
     nor is a load written as ``ref[i]`` instead of through ``_common`` (attention's segment
-    block bounds, dropout's key), nor a kernel that calls ``pl.pallas_call`` itself; slice
-    indices (``pl.ds``) are taken as inside (jaxbwd's kernels index with integer arrays).
+    block bounds, dropout's key), nor a kernel that calls ``pl.pallas_call`` itself. Indices
+    are checked against the ref as passed: a view (``ref.at[pl.ds(...)]``) that runs past
+    its operand is not seen, slice indices (``pl.ds``) count as inside and an index with an
+    Ellipsis is not checked (jaxbwd's kernels index whole refs with integer arrays). A launch
+    in interpret mode cannot be lowered for a GPU inside the block (the host callback).
 
     Args:
       kernels: a set to which the names of the launches checked are added, if given.

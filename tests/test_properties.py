@@ -4,7 +4,7 @@ The contract (``tests/test_contract.py``) runs each op at a few hand-picked shap
 hypothesis draws the awkward ones (sizes of 1, primes, sizes just past a block, several
 leading dims, ignored labels, repeated ids, GQA groups, causal with more keys than queries)
 and checks the forward and a random-cotangent VJP of both implementations (the kernels in
-interpret mode, every load and store bounds-checked: ``jaxbwd.testing.record_out_of_bounds``)
+interpret mode, their masked loads and stores bounds-checked: ``jaxbwd.testing.record_out_of_bounds``)
 against the plain-jnp reference differentiated by JAX, at the contract's tolerances
 (``jaxbwd.testing.TOL``). Plus the invariants a softmax-like gradient must keep:
 each row of softmax's and cross_entropy's input gradient sums to 0.

@@ -123,3 +123,28 @@ def test_out_of_bounds_leaves_gpu_lowering_alone():
         text = C.lower_for_gpu(lambda x: C.call(_copy, name="toy", grid=GRID, interpret=False,
                                                 out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype))(x), X)
     assert "callback" not in text and reports == []
+
+
+def _whole_row_past_the_end(x_ref, o_ref):  # a scalar row index loads the whole row: 8 elements
+    _copy(x_ref, o_ref)
+    C.load(x_ref, ROWS + 2, None)
+
+
+def _negative_row(x_ref, o_ref):  # row -1: NumPy (interpret mode) wraps it to the last row
+    rows, cols = _rows()
+    mask = (rows < ROWS)[:, None]
+    C.store_tile(o_ref, rows, cols, C.load_tile(x_ref, rows - 1, cols, mask), mask)
+
+
+def _ellipsis(x_ref, o_ref):  # not checked, but runs
+    _copy(x_ref, o_ref)
+    C.load(x_ref, (..., 0), None)
+
+
+@pytest.mark.parametrize("kernel,want", [
+    (_whole_row_past_the_end, [("load", (0,), COLS), ("load", (1,), COLS), ("load", (2,), COLS)]),
+    (_negative_row, [("load", (0,), COLS)]),
+    (_ellipsis, []),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_out_of_bounds_counts_elements(kernel, want):
+    assert _out_of_bounds(kernel)[1] == want

@@ -167,10 +167,11 @@ def store(ref, idx, value, mask):
 
 
 # Instrumentation for tests (jaxbwd.testing.record_out_of_bounds): while set, ``load`` and
-# ``store`` also pass ``(kind, ref shape, lanes)`` to it, ``lanes`` the number of lanes that
-# the mask lets through at an index outside the ref. Interpret mode gathers and scatters with
-# clamped or dropped indices, so such a lane gives a plausible answer there; on a GPU it reads
-# or writes another buffer's memory, or faults.
+# ``store`` also pass ``(kind, ref shape, lanes)`` to it, ``lanes`` the number of elements
+# that the mask lets through at an index outside the ref. Interpret mode indexes as NumPy does
+# (negative indices wrap; gathers past the end clamp or pad, scatters there are dropped), so
+# such a lane can still give a plausible answer; on a GPU it reads or writes another buffer's
+# memory, or faults.
 BOUNDS_REPORT: contextvars.ContextVar[Callable[[str, tuple, Any], None] | None] = contextvars.ContextVar(
     "jaxbwd_bounds_report", default=None)
 
@@ -179,13 +180,20 @@ def _check_bounds(kind: str, ref, idx, mask) -> None:
     report = BOUNDS_REPORT.get()
     if report is None:
         return
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if any(i is Ellipsis for i in idx):  # jaxbwd's kernels index with int arrays and scalars only
+        return
     inside = jnp.bool_(True)
-    for extent, i in zip(ref.shape, idx if isinstance(idx, tuple) else (idx,)):
-        if isinstance(i, (slice, pl.Slice)):  # jaxbwd's kernels index with int arrays and scalars only
-            continue
-        i = jnp.asarray(i)
-        inside = inside & (i >= 0) & (i < extent)
+    for extent, i in zip(ref.shape, idx):
+        if not isinstance(i, (slice, pl.Slice)):
+            i = jnp.asarray(i)
+            inside = inside & (i >= 0) & (i < extent)
+    # Dims past the index are loaded whole: each index lane stands for that many elements.
+    trailing = tuple(ref.shape[len(idx):])
+    inside = inside.reshape(inside.shape + (1,) * len(trailing))
     outside = ~inside if mask is None else jnp.asarray(mask) & ~inside
+    outside = jnp.broadcast_to(outside, jnp.broadcast_shapes(outside.shape, inside.shape[:inside.ndim - len(trailing)]
+                                                             + trailing))
     report(kind, tuple(ref.shape), jnp.sum(outside.astype(jnp.int32)))
 
 
