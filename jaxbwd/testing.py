@@ -27,8 +27,8 @@ mode on a machine without a GPU) and every dtype of ``spec.dtypes``:
     unwritten (``check_programs_independent``: a GPU runs a grid's programs in no fixed
     order, interpret mode one after another).
 11. on the Pallas path, at the table's tiles and at small ones, no load or store whose mask
-    lets a lane outside its operand (``check_in_bounds``: interpret mode clamps such a lane,
-    a GPU reads or writes another buffer).
+    lets a lane outside its operand (``check_in_bounds``: interpret mode wraps, clamps or
+    drops such a lane, a GPU reads or writes another buffer).
 
 jaxbwd's own ops also run ``tests/test_contract.py``, which adds more: determinism, strict
 dtype promotion, 16-bit transforms, x64 tracing, ``jacfwd``, Hessian-vector products.
