@@ -562,6 +562,19 @@ def _record_bounds(reports, name, kind, shape, lanes, *ids):
         reports.append(OutOfBounds(name, kind, shape, tuple(int(np.max(i)) for i in ids), int(lanes.sum())))
 
 
+def _launch_every_kernel(f, diff, forward_mode: bool):
+    """Runs what launches an op's kernels: ``f`` not differentiated (its own kernels, e.g.
+    cross_entropy's statistics), its forward and backward and, with ``forward_mode``,
+    ``jax.jvp``. Returns (the cotangent, the gradients)."""
+    jax.block_until_ready(f(*diff))
+    out, vjp = jax.vjp(f, *diff)
+    ct = _cotangent(out)
+    grads = jax.block_until_ready(vjp(ct))
+    if forward_mode:
+        jax.block_until_ready(jax.jvp(f, tuple(diff), tuple(diff)))
+    return ct, grads
+
+
 @contextlib.contextmanager
 def record_out_of_bounds(kernels: Optional[set] = None):
     """Within the block, every Pallas (Triton) kernel that jaxbwd's launcher sets up in
@@ -617,11 +630,7 @@ def check_in_bounds(spec: OpSpec) -> set:
             diff = [args[i] for i in spec.diff_argnums]
             f = spec.bind(args, kwargs, implementation="pallas")
             with _interpret(), tiles(), record_out_of_bounds(launched) as reports:
-                jax.block_until_ready(f(*diff))
-                out, vjp = jax.vjp(f, *diff)
-                jax.block_until_ready(vjp(_cotangent(out)))
-                if forward_mode:
-                    jax.block_until_ready(jax.jvp(f, tuple(diff), tuple(diff)))
+                _launch_every_kernel(f, diff, forward_mode)
             where = f"{spec.name}/{ex.name} ({dt}{', small tiles' if tiles is small_tiles else ''})"
             assert not reports, f"{where}: masked-in lanes outside their operand: {reports[:8]}"
     return launched
@@ -699,12 +708,7 @@ def check_programs_independent(spec: OpSpec, require_split: bool = True) -> dict
         diff = [args[i] for i in spec.diff_argnums]
         f = spec.bind(args, kwargs, implementation="pallas")
         with _interpret(), small_tiles(), record_program_writes() as reports:
-            jax.block_until_ready(f(*diff))
-            out, vjp = jax.vjp(f, *diff)
-            ct = _cotangent(out)
-            grads = jax.block_until_ready(vjp(ct))
-            if forward_mode:
-                jax.block_until_ready(jax.jvp(f, tuple(diff), tuple(diff)))
+            ct, grads = _launch_every_kernel(f, diff, forward_mode)
         races = [r for r in reports if r.multiply_written or r.unwritten or r.dependent]
         assert not races, f"{spec.name}/{ex.name}: programs of a grid depend on each other: {races}"
         for r in reports:
