@@ -663,11 +663,14 @@ def _s_tile(call) -> Optional[list[int]]:
 def _inst_per_s(mix, threads: int, call) -> Optional[float]:
     """Main-loop SASS instructions per unique S element: the loop's instructions per thread
     per iteration (``main_loop``) over the S elements each thread owns uniquely, R*C/threads
-    (a warpgroup that recomputes another's rows owns none of its own: the figure doubles)."""
+    (a warpgroup that recomputes another's rows owns none of its own: the figure doubles),
+    times the programs that compute the same tile (metadata ``s_repeats``: an attention
+    kernel whose head dim is split between programs, each recomputing S)."""
     tile = _s_tile(call)
     if not tile or not mix.get("loop_sass"):
         return None
-    return round(mix["loop_sass"] * threads / (tile[0] * tile[1]), 1)
+    repeats = int((call.get("metadata") or {}).get("s_repeats", 1))
+    return round(mix["loop_sass"] * threads * repeats / (tile[0] * tile[1]), 1)
 
 
 # Mosaic GPU kernels (``pallas_backend="mosaic"``) are not in XLA's kernel cache: jaxlib's

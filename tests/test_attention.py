@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbwd import config, reference as ref
+from jaxbwd import config, reference as ref, testing
 from jaxbwd.pallas import _common as C
 from jaxbwd.pallas import _tuning
 from jaxbwd.pallas import attention as PA
@@ -105,6 +105,42 @@ def test_dkdv_keys_first(case, monkeypatch):
     with _tuning.use({_tuning.arch(): {"attention_bwd_dkdv": {"keys_first": True}}}):
         _check("pallas", **CASES[case])
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("split,H,keys_first", [(2, 64, False), (2, 48, True), (4, 64, True)])
+def test_head_split_between_programs(split, H, keys_first):
+    # The head dim split into column parts on the grid's last axis (the table's head_split,
+    # f32 forward and dq at head_dim 256 on sm_90/sm_100), each part recomputing S from all
+    # parts: GQA, causal + window + softcap with tails, segment ids; H = 48 leaves the second
+    # part's last columns as padding. Each program writes its own columns only (one part the
+    # lse), and no load or store leaves its operand.
+    parts = {"head_split": split}
+    over = {_tuning.arch(): {"attention_fwd": parts, "attention_bwd_dq": parts,
+                             "attention_bwd_dkdv": {**parts, "keys_first": keys_first}}}
+    kw = dict(is_causal=True, sliding_window=20, logit_softcap=30.0)
+    with _tuning.use(over):
+        _check("pallas", 2, 37, 29, 4, 2, H, blocks=(8, 8), **kw)
+        _check("pallas", 2, 12, 12, 4, 2, H, blocks=(8, 8), is_causal=True, segment_ids=SEG3)
+        q, k, v, ct = _inputs(1, 20, 20, 2, 1, H)
+        f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
+        checked = set()
+        with PA.block_sizes(8, 8):  # one launch hook at a time: two runs
+            with testing.record_program_writes() as writes:
+                jax.block_until_ready(jax.vjp(f, q, k, v)[1](ct))
+            with testing.record_out_of_bounds(checked) as oob:
+                jax.block_until_ready(jax.vjp(f, q, k, v)[1](ct))
+    assert not oob and checked == set(KERNELS), (oob, checked)
+    assert {w.kernel: w.grid[2:] for w in writes} == {k: (split,) for k in KERNELS}
+    races = [w for w in writes if w.multiply_written or w.unwritten or w.dependent]
+    assert not races, races
+
+
+def test_head_split_must_leave_parts_of_16_columns():
+    over = {_tuning.arch(): {"attention_fwd": {"head_split": 8}}}
+    q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with _tuning.use(over), pytest.raises(ValueError, match="attention: head_split 8 must divide the padded "
+                                          "head dim 64 into parts of at least 16 columns"):
+        dot_product_attention(q, q, q, implementation="pallas")
 
 
 def test_segment_block_bounds_skip_other_documents():

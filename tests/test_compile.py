@@ -55,15 +55,14 @@ TENSOR_CORE = {"h200": "HGMMA", "a100": "HMMA", "b200": "UTCMMA"}
 # named "highest:...").
 DOT_OPS = deviceless.MATMUL_OPS
 # Kernels that run mma.sync (HMMA) on sm_90 and sm_100 at one registry case, not wgmma or
-# tcgen05: at head_dim 256 in f32 (TF32) every wgmma tile (M >= 64 rows) spilled 300-4100 B
-# per thread (compiled, H200, tiles in bench/results/), and every tcgen05 tile asked for more
-# than the B200's 512 tensor-memory columns or spilled; the table takes the unspilled mma.sync
-# tiles there. (kernel, dtype, case)
+# tcgen05: dk/dv and the tangent pass at head_dim 256 in f32 (TF32). Every wgmma tile (M >= 64
+# rows) spilled 300-4100 B per thread (compiled, H200, tiles in bench/results/), and so did
+# dk/dv's with the head dim split in two (64-3176 B; in four it issues more instructions than
+# on mma.sync); every tcgen05 tile asked for more than the B200's 512 tensor-memory columns or
+# spilled. The table takes the unspilled mma.sync tiles there. (The forward and dq split the
+# head dim in two and run wgmma/tcgen05.) (kernel, dtype, case)
 MMA_SYNC = {
-    (k, "float32", X256)
-    for k in ("attention_fwd", "attention_bwd_dq", "attention_bwd_dkdv")
-} | {
-    ("attention_fwd", "float32", "jvp:" + X256),
+    ("attention_bwd_dkdv", "float32", X256),
     ("attention_jvp", "float32", "jvp:" + X256),
 }
 # Under 3xTF32 (twice the operands per tile) the same on sm_90 and sm_100 for attention's dq,

@@ -48,7 +48,10 @@ class Config:
     (each kernel's docstring says which dimension is which); ``num_warps``/``num_stages``:
     Triton's; ``blocks_per_sm``: resident blocks per SM of the compiled kernel;
     ``keys_first`` (attention dk/dv only): the score tile is computed transposed,
-    S^T = K Q^T, so that the key block is the M dimension of all four of its dots.
+    S^T = K Q^T, so that the key block is the M dimension of all four of its dots;
+    ``head_split`` (attention forward, dk/dv and dq): the grid's last axis splits the
+    head dim of the kernel's accumulator and results into that many column parts, each
+    program recomputing the whole score tile (see ``attention._parts``).
     """
 
     block_m: int = 0
@@ -58,6 +61,7 @@ class Config:
     num_stages: int = 3
     blocks_per_sm: int = 1
     keys_first: bool = False
+    head_split: int = 1
 
 
 _ = Config
@@ -215,15 +219,22 @@ TABLE: dict[str, dict[str, Config]] = {
         "attention_fwd/h256/16bit": _(128, 64, num_warps=8, num_stages=2),
         "attention_bwd_dq/h256/16bit": _(128, 32, num_warps=8, num_stages=2),
         "attention_bwd_dkdv/h256/16bit": _(32, 64, num_warps=8, num_stages=1),
-        # f32 at head_dim 256 (TF32): the forward's 64 x 32 tiles spilled 352 B; 32 x 32 on one
-        # warpgroup does not (mma.sync: M = 32). dk/dv holds two [block_k, 256] f32
-        # accumulators and f32 K/V tiles. Computing S = Q K^T, 16 x 16 on 8 warps was the
+        # f32 at head_dim 256 (TF32): every wgmma tile (64 rows or more) of the whole head dim
+        # spilled. The forward and dq split the head dim of their accumulator in two
+        # (head_split: the grid's last axis; each half recomputes S, and dq dP): on wgmma,
+        # no spills; main-loop instructions per unique S element, both halves counted,
+        # forward 122.6 -> 104.9 (128 x 32 on 8 warps, 244 registers; mma.sync 32 x 32
+        # before), dq 249.2 -> 189.0 (64 x 16 on 4 warps, 255 registers). dk/dv holds two
+        # [block_k, 256] f32 accumulators and f32 K/V tiles; split in two it spilled 64-3176 B
+        # at every wgmma tile, and in four (no spills) it issued 423 instructions per unique S
+        # element against 289: it stays on mma.sync. Computing S = Q K^T, 16 x 16 on 8 warps was the
         # first tile without spills (1912 B at 32 x 32); computing S^T = K Q^T (keys_first),
         # 32 x 32 is: 253 registers, main loop 988 -> 290 instructions per S element, Q and dO
         # read once per 32 keys instead of 16. Still mma.sync: every tile with 64 key rows
         # (wgmma's M) spilled 376-1600 B (K and V held in registers as wgmma's A operand:
         # inferred from the counts, not read from the SASS).
-        "attention_fwd/h256/f32": _(32, 32, num_warps=4, num_stages=2),
+        "attention_fwd/h256/f32": _(128, 32, num_warps=8, num_stages=2, head_split=2),
+        "attention_bwd_dq/h256/f32": _(64, 16, num_warps=4, num_stages=2, head_split=2),
         "attention_bwd_dkdv/h256/f32": _(32, 32, num_warps=8, num_stages=1, keys_first=True),
         # The tangent pass at head_dim 256 (twice the tiles): 64 x 32 needed 299 KB of shared
         # memory in f32 (over the limit: jax.jvp failed to compile) and spilled 224 B in
@@ -333,9 +344,16 @@ TABLE["sm_100"] = {
     # 32 x 64 ran S and dP on mma.sync): 255 registers, no spills, 59.5 -> 37.7 per S element.
     "attention_bwd_dkdv/h256/16bit": _(64, 64, num_warps=8, num_stages=1, keys_first=True),
     # The 16-bit tangent pass at head_dim 256: 64 x 16 on 4 warps spilled 40 B; 64 x 32 on 8
-    # warps: 180 registers, no spills. (f32 at head_dim 256 stays on sm_90's mma.sync tiles:
-    # every tcgen05 tile asked for 576-816 of the 512 tensor-memory columns, or spilled.)
+    # warps: 180 registers, no spills. (f32 dk/dv and tangent pass at head_dim 256 stay on
+    # sm_90's mma.sync tiles: every tcgen05 tile asked for 576-816 of the 512 tensor-memory
+    # columns, or spilled.)
     "attention_jvp/h256/16bit": _(64, 32, num_warps=8, num_stages=2),
+    # f32 dq at head_dim 256, head dim split in two as on sm_90: sm_90's 64 x 16 on 4 warps
+    # spilled 992 B, its two stages asked for 576 tensor-memory columns; 64 x 16 on 8 warps,
+    # one stage: tcgen05, 252 registers, no spills, 248.8 -> 152.5 main-loop instructions per
+    # unique S element (both halves). (The forward takes sm_90's split tile: tcgen05, 255
+    # registers, no spills, 120.1 -> 97.5.)
+    "attention_bwd_dq/h256/f32": _(64, 16, num_warps=8, num_stages=1, head_split=2),
     # linear_cross_entropy, 16-bit: dw's two stages spilled 16-200 B at 128 tokens (one stage
     # keeps 128 tokens per step, 254 registers); dx takes the table layout's 32-wide D chunks
     # (64 B of spills at 64).
@@ -406,8 +424,8 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
     """``{arch: {key: {field: value}}}`` checked: known architectures, keys that are one of
     :func:`requests` or a prefix of one at a "/" (any other key would match nothing and be
     ignored: a misspelt kernel or variant), known fields that the kernels there read
-    (:func:`fields`), and positive ints (powers of two for block sizes and warps, as
-    Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises
+    (:func:`fields`), and positive ints (powers of two for block sizes, warps and head
+    splits, as Triton's tiles and launches need) or, for ``keys_first``, a bool. Raises
     TypeError/ValueError naming ``where``."""
     def mapping(value, what):
         if not isinstance(value, Mapping):
@@ -436,7 +454,7 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
                     if not isinstance(v, bool):
                         raise ValueError(f"{where}: {a} {key}: {name} must be true or false, got {v!r}")
                     continue
-                pow2 = name.startswith("block_") or name == "num_warps"
+                pow2 = name.startswith("block_") or name in ("num_warps", "head_split")
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
                     want = "a power of two" if pow2 else "an int >= 1"
                     raise ValueError(f"{where}: {a} {key}: {name} must be {want}, got {v!r}")
@@ -532,6 +550,7 @@ def fields(key: str) -> frozenset[str]:
     launch = {"num_warps", "num_stages"}
     if kernel.startswith("attention_"):
         out = launch | {"block_m", "block_n"} | ({"keys_first"} if kernel == "attention_bwd_dkdv" else set())
+        out |= set() if kernel == "attention_jvp" else {"head_split"}
     elif kernel.startswith("linear_cross_entropy_"):  # dx's grid is not sized by occupancy
         out = launch | {"block_m", "block_n", "block_k"} | (
             set() if kernel == "linear_cross_entropy_bwd_dx" else {"blocks_per_sm"})

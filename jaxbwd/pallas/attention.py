@@ -19,6 +19,11 @@ split into two kernels so that nothing is accumulated with atomics):
   every dot at head_dim 64, and the registers for 32 x 32 tiles at 256; on sm_80 at 256).
 - ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
 
+Where the tuning table gives a kernel a ``head_split`` (f32 forward and dq at head_dim 256
+on sm_90/sm_100), the grid has a last axis over that many column parts of the head dim:
+each program keeps only its part's columns of the accumulator and writes only those, and
+recomputes the score tile (and dq the dP tile) from all parts (``_parts``).
+
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
 Exponentials are ``exp2`` of base-2 logits, ``log2(e)`` folded into the scale (see
 ``_logits``); ``lse`` is stored in natural units.
@@ -110,7 +115,9 @@ def _config(d: Dims, kind: str, dtype=jnp.bfloat16):
     tiles where the 16-bit ones spilled: on sm_90 128 query rows on 8 warps with 32-key
     blocks for dq (and the forward at head_dim 64), and for dk/dv 16 query rows against
     64 key rows at head_dim 80-128, one stage; dk/dv computes S^T = K Q^T (the table's
-    ``keys_first``) at head_dims 64 and 256 on sm_90, 256 on sm_80. sm_100 (B200) takes
+    ``keys_first``) at head_dims 64 and 256 on sm_90, 256 on sm_80; the forward and dq at
+    head_dim 256 split the head dim between two programs on sm_90 and sm_100 (the table's
+    ``head_split``, see ``_parts``). sm_100 (B200) takes
     sm_90's tiles except where they compiled worse there (e.g. f32 dk/dv at head_dim 80-128
     on 64 x 64, every dot on tcgen05). Under 3xTF32 the table's ``f32/x3`` tiles. The table
     is ``_tuning``'s.
@@ -218,28 +225,76 @@ def _mask(d: Dims, rows, cols, qseg, kseg, keys_first: bool = False):
     return m
 
 
+def _dot_parts(a, b):
+    """``sum_i a[i] b[i]^T`` over matching head-dim parts (tuples from :func:`_parts`)."""
+    return functools.reduce(lambda x, y: x + y, (C.dot(x, y, trans_b=True) for x, y in zip(a, b)))
+
+
 def _logits(d: Dims, q, k):
     """The logits in base-2 units, ``log2(e) * scale * q k^T`` (f32), and, under a softcap,
-    ``t = tanh(scale * q k^T / c)`` for the backward.
+    ``t = tanh(scale * q k^T / c)`` for the backward. ``q`` and ``k`` are tuples of
+    head-dim parts (:func:`_parts`), summed over.
 
     Base 2 because the kernels exponentiate with ``exp2`` (one MUFU.EX2; ``exp`` is libdevice
     ``expf``, about ten instructions): ``log2(e)`` folds into the multiply by ``scale`` (or
     by the softcap ``c``) that happens anyway, so ``exp(s - m) = exp2(s2 - m2)`` costs
     nothing extra (the FlashAttention-2/Triton tutorial trick).
     """
-    qk = C.dot(q, k, trans_b=True)
+    qk = _dot_parts(q, k)
     if d.softcap is None:
         return qk * (d.scale * C.LOG2E), None
     t, dt = C.tanh_with_grad(qk, d.scale / d.softcap)
     return (d.softcap * C.LOG2E) * t, dt
 
 
-def _tile(ref, b, L, rows, head, H, Hp, rmask):
-    """Tile [len(rows), Hp] of head ``head`` from a [B*L, heads*H] view, native dtype."""
-    hc = jnp.arange(Hp, dtype=jnp.int32)
+def _tile(ref, b, L, rows, head, H, Hp, rmask, c0=0):
+    """Tile [len(rows), Hp] of head ``head``'s columns [c0, c0 + Hp) from a [B*L, heads*H]
+    view, native dtype."""
+    hc = c0 + jnp.arange(Hp, dtype=jnp.int32)
     idx = ((b * L + rows)[:, None], (head * H + hc)[None, :])
     mask = rmask[:, None] & (hc < H)[None, :]
     return idx, mask, C.load(ref, idx, mask, dtype=ref.dtype)
+
+
+def _parts(d: Dims, split: int):
+    """This program's head-dim part under a split of the head dim into ``split`` column
+    parts (the grid's last axis): the part's width and the column offsets of all parts,
+    this program's first. Its accumulator and results are its part's columns only; the
+    score tile needs every column, so each part recomputes it from all parts' tiles.
+
+    Why: at head_dim 256 in f32 a [64, 256] accumulator alone takes 128 registers per
+    thread of a warpgroup, and every 64-row tile (wgmma's M) spilled. Two parts halve it,
+    for 1.5x the forward's tensor-core work (S twice) and 1.67x dq's (S and dP twice).
+    The parts of one block run in different waves, so each reads the other operands from
+    HBM again where L2 no longer holds them: at the registry's head_dim-256 case (f32, 4096
+    tokens, window 1024) one more read of k and v, 64 MiB (about 14 us at 4.8 TB/s), beside
+    about 69 GFLOP of forward (an estimate, not measured: a few percent). With the parts as
+    the first axis, side by side, dq spilled 8-32 B."""
+    if split == 1:
+        return d.Hp, (0,)
+    w = d.Hp // split
+    if w < 16 or w * split != d.Hp:
+        raise ValueError(f"attention: head_split {split} must divide the padded head dim {d.Hp} "
+                         f"into parts of at least 16 columns")
+    p = pl.program_id(2)
+    return w, tuple(((p + o) % split) * w for o in range(split))
+
+
+def _tiles(ref, b, L, rows, head, d: Dims, rmask, w, offsets):
+    """The tiles of every head-dim part (:func:`_parts`), this program's first, and the
+    index and mask of this program's part (where its results go)."""
+    out = [_tile(ref, b, L, rows, head, d.H, w, rmask, c0) for c0 in offsets]
+    return out[0][0], out[0][1], tuple(t for _, _, t in out)
+
+
+def _split_grid(grid: tuple, split: int) -> tuple:
+    return grid + (split,) if split > 1 else grid
+
+
+def _s_meta(rows: int, cols: int, split: int) -> dict:
+    """Metadata for ``python -m jaxbwd compile``: the score tile of one loop step and, under a
+    head-dim split, how many programs compute each tile (its per-S-element figures)."""
+    return {"s_tile": f"{rows}x{cols}", **({"s_repeats": str(split)} if split > 1 else {})}
 
 
 def _query_block(d: Dims, bq: int):
@@ -265,21 +320,22 @@ def _segs(d: Dims, qs_ref, ks_ref, b, rows, rmask, cols, cmask):
 
 
 # ---------------------------------------------------------------------------- forward
-def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
+def _fwd_kernel(*refs, d: Dims, bq: int, bk: int, split: int):
     if d.segments:
         q_ref, k_ref, v_ref, qs_ref, ks_ref, bnd_ref, o_ref, lse_ref = refs
     else:
         (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
     i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
-    q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    w, offs = _parts(d, split)
+    q_idx, q_mask, q = _tiles(q_ref, b, d.T, rows, n, d, rmask, w, offs)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
         cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
-        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, k = _tiles(k_ref, b, d.S, cols, kvh, d, cmask, w, offs)
+        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, w, cmask, offs[0])
         s, _ = _logits(d, q, k)  # base 2: m and the exponents below are too
         if masked:
             _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
@@ -294,7 +350,7 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
 
     lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
     mid = _unmasked_kv_end(d, i * bq, bq, bk, lo, hi)
-    init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, w), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
     carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), init)
     acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     seen = l > 0.0
@@ -302,7 +358,7 @@ def _fwd_kernel(*refs, d: Dims, bq: int, bk: int):
     C.store(o_ref, q_idx, out, q_mask)
     # The residual stays in natural units: lse = ln(2) * (m2 + log2(l)).
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, NEG_INF)
-    C.store(lse_ref, (bh, rows), lse, rmask)
+    C.store(lse_ref, (bh, rows), lse, rmask & (offs[0] == 0))  # one part writes it
 
 
 def _flops(d: Dims) -> int:
@@ -323,33 +379,35 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2) + segs
     out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
-    kernel = functools.partial(_fwd_kernel, d=d, bq=bq, bk=bk)
+    split = cfg.head_split
+    kernel = functools.partial(_fwd_kernel, d=d, bq=bq, bk=bk, split=split)
     return C.call(
-        kernel, name="attention_fwd", grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=out_shape,
-        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d), metadata={"s_tile": f"{bq}x{bk}"},
-        transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
-        bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2) + 4 * d.B * d.N * d.T,
+        kernel, name="attention_fwd", grid=_split_grid((C.cdiv(d.T, bq), d.B * d.N), split), out_shape=out_shape,
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d), metadata=_s_meta(bq, bk, split),
+        transcendentals=split * d.B * d.N * d.T * d.S // (2 if d.causal else 1),
+        bytes_accessed=C.nbytes(*inputs) + (split - 1) * C.nbytes(q2, k2) + C.nbytes(q2) + 4 * d.B * d.N * d.T,
     )(*inputs)
 
 
 # --------------------------------------------------------------------------- backward
 def _p_ds(d: Dims, q, k, v, do, lse, delta, mask, keys_first: bool = False):
-    """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile;
-    ``mask`` None for a block that needs none. With ``keys_first`` their transposes P^T and
+    """P (f32) and dS (f32, softcap derivative applied, scale not applied) of one tile from
+    the head-dim parts of q, k, v, do (tuples, :func:`_parts`); ``mask`` None for a block
+    that needs none. With ``keys_first`` their transposes P^T and
     dS^T ([keys, queries]), from S^T = K Q^T and dP^T = V dO^T computed as such."""
     row = (lambda x: x[None, :]) if keys_first else (lambda x: x[:, None])
     s, dt = _logits(d, k, q) if keys_first else _logits(d, q, k)
     p = C.exp2(s - row(lse * C.LOG2E))
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = C.dot(v, do, trans_b=True) if keys_first else C.dot(do, v, trans_b=True)
+    dp = _dot_parts(v, do) if keys_first else _dot_parts(do, v)
     ds = p * (dp - row(delta))
     if dt is not None:
         ds = ds * dt
     return p, ds
 
 
-def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool):
+def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool, split: int):
     if d.segments:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dk_ref, dv_ref = refs
     else:
@@ -358,8 +416,9 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool):
     b, kvh = bkh // d.K, bkh % d.K
     cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
     cmask = cols < d.S
-    kv_idx, kv_mask, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-    _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+    w, offs = _parts(d, split)
+    kv_idx, kv_mask, k = _tiles(k_ref, b, d.S, cols, kvh, d, cmask, w, offs)
+    _, _, v = _tiles(v_ref, b, d.S, cols, kvh, d, cmask, w, offs)
     _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
     lo, hi = _seg_range(d, bnd_ref, b, j, C.cdiv(d.S, bk), *_q_range(d, j * bk, bq, bk))
 
@@ -370,8 +429,8 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool):
             dk, dv = carry
             rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
             rmask = rows < d.T
-            _, _, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
-            _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+            _, _, q = _tiles(q_ref, b, d.T, rows, n, d, rmask, w, offs)
+            _, _, do = _tiles(do_ref, b, d.T, rows, n, d, rmask, w, offs)
             lse = C.load(lse_ref, (b * d.N + n, rows), rmask)
             delta = C.load(delta_ref, (b * d.N + n, rows), rmask)
             mask = None
@@ -379,28 +438,29 @@ def _dkdv_kernel(*refs, d: Dims, bq: int, bk: int, keys_first: bool):
                 qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
                 mask = _mask(d, rows, cols, qs, ks, keys_first)
             p, ds = _p_ds(d, q, k, v, do, lse, delta, mask, keys_first)
-            dv = dv + C.dot(p.astype(do.dtype), do, trans_a=not keys_first)
-            dk = dk + C.dot(ds.astype(q.dtype), q, trans_a=not keys_first)
+            dv = dv + C.dot(p.astype(do[0].dtype), do[0], trans_a=not keys_first)
+            dk = dk + C.dot(ds.astype(q[0].dtype), q[0], trans_a=not keys_first)
             return dk, dv
 
         # Always masked: a second, unmasked copy of this loop body (the blocks below the
         # causal diagonal) compiled to 255 registers and spills on H200 at head_dim 128.
         return lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
 
-    zeros = jnp.zeros((bk, d.Hp), jnp.float32)
+    zeros = jnp.zeros((bk, w), jnp.float32)
     dk, dv = lax.fori_loop(0, d.G, head, (zeros, zeros))
     C.store(dk_ref, kv_idx, dk * d.scale, kv_mask)
     C.store(dv_ref, kv_idx, dv, kv_mask)
 
 
-def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
+def _dq_kernel(*refs, d: Dims, bq: int, bk: int, split: int):
     if d.segments:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, bnd_ref, dq_ref = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref), qs_ref, ks_ref, bnd_ref = refs, None, None, None
     i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
-    q_idx, q_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
-    _, _, do = _tile(do_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    w, offs = _parts(d, split)
+    q_idx, q_mask, q = _tiles(q_ref, b, d.T, rows, n, d, rmask, w, offs)
+    _, _, do = _tiles(do_ref, b, d.T, rows, n, d, rmask, w, offs)
     lse = C.load(lse_ref, (bh, rows), rmask)
     delta = C.load(delta_ref, (bh, rows), rmask)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
@@ -408,17 +468,17 @@ def _dq_kernel(*refs, d: Dims, bq: int, bk: int):
     def body(j, dq, masked: bool):
         cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
-        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        _, _, k = _tiles(k_ref, b, d.S, cols, kvh, d, cmask, w, offs)
+        _, _, v = _tiles(v_ref, b, d.S, cols, kvh, d, cmask, w, offs)
         mask = None
         if masked:
             _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
             mask = _mask(d, rows, cols, qs, ks)
         _, ds = _p_ds(d, q, k, v, do, lse, delta, mask)
-        return dq + C.dot(ds.astype(k.dtype), k)
+        return dq + C.dot(ds.astype(k[0].dtype), k[0])
 
     lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
-    dq = jnp.zeros((bq, d.Hp), jnp.float32)
+    dq = jnp.zeros((bq, w), jnp.float32)
     if q_ref.dtype != jnp.float32:
         mid = _unmasked_kv_end(d, i * bq, bq, bk, lo, hi)
         dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), dq)
@@ -442,24 +502,27 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
     nbytes = C.nbytes(*base)
+    split = cfg.head_split
     dkdv = C.call(
-        functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk, keys_first=cfg.keys_first), name="attention_bwd_dkdv",
-        grid=(C.cdiv(d.S, bk), d.B * d.K),
+        functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk, keys_first=cfg.keys_first, split=split),
+        name="attention_bwd_dkdv", grid=_split_grid((C.cdiv(d.S, bk), d.B * d.K), split),
         out_shape=[jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)],
         interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
-        transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(k2, v2),
-        metadata={"s_tile": f"{bk}x{bq}"},
+        transcendentals=split * _flops(d) // (4 * d.H),
+        bytes_accessed=split * nbytes + C.nbytes(k2, v2),
+        metadata=_s_meta(bk, bq, split),
     )
     dk, dv = dkdv(*kv_inputs)
     cfg = _config(d, "dq", q2.dtype)
     bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     inputs = base + ((qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ())
+    split = cfg.head_split
     dq = C.call(
-        functools.partial(_dq_kernel, d=d, bq=bq, bk=bk), name="attention_bwd_dq",
-        grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
+        functools.partial(_dq_kernel, d=d, bq=bq, bk=bk, split=split), name="attention_bwd_dq",
+        grid=_split_grid((C.cdiv(d.T, bq), d.B * d.N), split), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
         interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=int(1.5 * _flops(d)),
-        metadata={"s_tile": f"{bq}x{bk}"},
-        transcendentals=_flops(d) // (4 * d.H), bytes_accessed=nbytes + C.nbytes(q2),
+        metadata=_s_meta(bq, bk, split),
+        transcendentals=split * _flops(d) // (4 * d.H), bytes_accessed=split * nbytes + C.nbytes(q2),
     )(*inputs)
     return dq, dk, dv
 
@@ -486,7 +549,7 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
         _, _, dk = _tile(dk_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
         _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
-        s, dt = _logits(d, q, k)  # base 2, as lse * log2(e)
+        s, dt = _logits(d, (q,), (k,))  # base 2, as lse * log2(e)
         p = jnp.where(_mask(d, rows, cols, qs, ks), C.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
         ds = (C.dot(dq, k, trans_b=True) + C.dot(q, dk, trans_b=True)) * d.scale
         if dt is not None:
