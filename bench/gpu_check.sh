@@ -26,8 +26,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   timeout 100 python bench/attention.py --json "$out/attention.json" 2>&1
   echo "== bench/tune.py (config sweeps; attention vs cuDNN and XLA, conv2d vs XLA, bf16)"
   timeout 210 python bench/tune.py --json "$out/tuning.json" --repeats 5 --ops attention conv2d 2>&1
-  # linear_cross_entropy's sweep (12 configurations at T=8192, V=128256) does not fit this
-  # budget; with time to spare: python bench/tune.py --json OUT.json --ops linear_cross_entropy
+  # linear_cross_entropy's sweep (12 configurations at T=8192, V=128256) and f32 attention's at
+  # head_dim 256 (the head-dim split against mma.sync) do not fit this budget; with time to
+  # spare: python bench/tune.py --json OUT.json --ops linear_cross_entropy attention_f32_h256
   echo "== python -m jaxbwd bench --size llm"
   timeout 150 python -m jaxbwd bench --size llm --repeats 20 --json "$out/bench_llm.json" --plot "$out/bench_llm.png" 2>&1
   echo "== forward mode through attention: attention_jvp kernel vs XLA formula vs jax.jvp of the reference"

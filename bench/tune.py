@@ -5,7 +5,9 @@ table's own configuration of each key is timed first, and a key is written only 
 candidate beat it.
 
 Attention (B=2, N=16, H=128, T=4096, causal, bf16) is timed fwd+bwd, so a dk/dv or dq
-configuration is judged by the whole step it changes; conv2d at the UNet shape
+configuration is judged by the whole step it changes; ``attention_f32_h256`` (B=1, T=4096,
+N=16, K=8, H=256, causal with a 1024-key window, f32 at the default TF32 precision) weighs
+the forward's and dq's head-dim split on wgmma against their unsplit mma.sync tiles; conv2d at the UNet shape
 [8, 64, 64, 320] * 3x3x320x320 (bf16) likewise, and linear_cross_entropy's three kernels by its
 loss and grads at T=8192, D=2048, V=128256 (bf16; against its XLA implementation and the unfused
 ``matmul`` + ``cross_entropy``). TFLOP/s: attention forward 4*B*N*T*S*H
@@ -15,7 +17,7 @@ logits and the same for each gradient. Needs a GPU: without one it says so in on
 stderr and exits with status 0, before looking at the other arguments, nothing timed and
 nothing written (as bench/mosaic_attention.py does), so that bench/gpu_check.sh goes on.
 
-    python bench/tune.py --json OUT.json [--ops attention conv2d linear_cross_entropy] [--repeats N]
+    python bench/tune.py --json OUT.json [--ops attention attention_f32_h256 conv2d linear_cross_entropy] [--repeats N]
 """
 from __future__ import annotations
 
@@ -34,16 +36,21 @@ from jaxbwd.pallas import _tuning
 
 import _cli  # bench/_cli.py: this script's folder is first on sys.path
 
-F = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "blocks_per_sm")
-# key -> candidate (block_m, block_n, block_k, num_warps, num_stages[, blocks_per_sm]); a
-# candidate whose occupancy differs from the table entry's says so, since split grids are
-# sized from it.
+F = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "blocks_per_sm", "head_split")
+# key -> candidate (block_m, block_n, block_k, num_warps, num_stages[, blocks_per_sm[,
+# head_split]]), zeros left out; a candidate whose occupancy differs from the table entry's
+# says so, since split grids are sized from it.
 SWEEPS = {
     "attention_fwd/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (128, 128, 0, 8, 2), (64, 64, 0, 4, 2)],
     "attention_bwd_dq/h128/16bit": [(128, 64, 0, 8, 2), (128, 64, 0, 8, 3), (64, 64, 0, 8, 2), (128, 32, 0, 8, 2)],
     # (64 x 64 on 4 warps with 2 stages: sm_90's entry; sm_100's takes 1 stage, 2 spilled 16 B.)
     "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2),
                                       (64, 64, 0, 4, 2)],
+    # f32 at head_dim 256: the head dim split in two on wgmma (sm_90's entries) against the
+    # unsplit mma.sync tiles they replaced (head_split 1), all without spills on H200.
+    "attention_fwd/h256/f32": [(32, 32, 0, 4, 2, 0, 1), (128, 32, 0, 8, 1, 0, 2), (64, 32, 0, 4, 1, 0, 2),
+                               (128, 16, 0, 8, 2, 0, 2)],
+    "attention_bwd_dq/h256/f32": [(32, 32, 0, 8, 2, 0, 1), (64, 16, 0, 4, 1, 0, 2), (64, 16, 0, 8, 1, 0, 4)],
     "conv2d_dgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3)],
     "conv2d_wgrad/16bit": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)],
     # linear_cross_entropy: block_m tokens, block_n vocabulary columns, block_k the D chunk. 128
@@ -67,6 +74,19 @@ def _attention_case():
         "jaxbwd": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
         "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    }
+
+
+def _attention_f32_h256_case():
+    B, T, N, K, H, W = 1, 4096, 16, 8, 256, 1024
+    q, do = (jax.random.normal(jax.random.PRNGKey(i), (B, T, N, H), jnp.float32) for i in (0, 3))
+    k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, K, H), jnp.float32) for i in (1, 2))
+    pairs = W * (W + 1) // 2 + (T - W) * W  # (query, key) pairs inside the causal window
+    flops = 3.5 * 4 * B * N * pairs * H
+    return (q, k, v, do), flops, {
+        "jaxbwd": lambda q, k, v: jaxbwd.dot_product_attention(q, k, v, is_causal=True, sliding_window=W),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(W - 1, 0),
+                                                            implementation="xla"),
     }
 
 
@@ -96,7 +116,15 @@ def _linear_cross_entropy_case(T=8192, D=2048, V=128256):
     }
 
 
-CASES = {"attention": _attention_case, "conv2d": _conv_case, "linear_cross_entropy": _linear_cross_entropy_case}
+CASES = {"attention": _attention_case, "attention_f32_h256": _attention_f32_h256_case, "conv2d": _conv_case,
+         "linear_cross_entropy": _linear_cross_entropy_case}
+
+
+def case_of(key: str) -> str:
+    """The case (a key of ``CASES``) that times the tuning-table key ``key``."""
+    if key.startswith("attention_") and "/h256/f32" in key:
+        return "attention_f32_h256"
+    return next(c for c in CASES if key.startswith(c))
 
 
 def _time(f, args, repeats):
@@ -150,7 +178,7 @@ def main(argv=None) -> int:
     cases = {name: CASES[name]() for name in args.ops}
     best, log = {}, []
     for key, candidates in SWEEPS.items():
-        op = next(c for c in CASES if key.startswith(c))
+        op = case_of(key)
         if op not in cases:
             continue
         inputs, flops, impls = cases[op]

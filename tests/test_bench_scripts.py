@@ -189,6 +189,7 @@ def test_tune_sweeps_valid_keys_and_configurations(monkeypatch):
     tune = _tune_module(monkeypatch)
     for key, candidates in tune.SWEEPS.items():
         assert key in _tuning.requests(), key
+        assert tune.case_of(key) in tune.CASES, key
         for c in candidates:
             with _tuning.use({"sm_90": {key: {f: v for f, v in zip(tune.F, c) if v}}}):
                 pass
