@@ -7,11 +7,12 @@ candidate beat it.
 Attention (B=2, N=16, H=128, T=4096, causal, bf16) is timed fwd+bwd, so a dk/dv or dq
 configuration is judged by the whole step it changes; ``attention_f32_h256`` (B=1, T=4096,
 N=16, K=8, H=256, causal with a 1024-key window, f32 at the default TF32 precision) weighs
-the forward's and dq's head-dim split on wgmma against their unsplit mma.sync tiles; conv2d at the UNet shape
-[8, 64, 64, 320] * 3x3x320x320 (bf16) likewise, and linear_cross_entropy's three kernels by its
-loss and grads at T=8192, D=2048, V=128256 (bf16; against its XLA implementation and the unfused
-``matmul`` + ``cross_entropy``). TFLOP/s: attention forward 4*B*N*T*S*H
-halved when causal, backward 2.5x the forward (FlashAttention convention); conv2d forward
+the forward's and dq's head-dim split on wgmma against their unsplit mma.sync tiles; conv2d
+at the UNet shape [8, 64, 64, 320] * 3x3x320x320 (bf16) likewise, and linear_cross_entropy's
+three kernels by its loss and grads at T=8192, D=2048, V=128256 (bf16; against its XLA
+implementation and the unfused ``matmul`` + ``cross_entropy``). TFLOP/s: attention forward
+4*B*N*T*S*H halved when causal (4*B*N*H per (query, key) pair inside the window for
+attention_f32_h256), backward 2.5x the forward (FlashAttention convention); conv2d forward
 2*N*Ho*Wo*Cout*KH*KW*Cin, dgrad and wgrad the same each; linear_cross_entropy 2*T*D*V for the
 logits and the same for each gradient. Needs a GPU: without one it says so in one line on
 stderr and exits with status 0, before looking at the other arguments, nothing timed and
@@ -46,8 +47,9 @@ SWEEPS = {
     # (64 x 64 on 4 warps with 2 stages: sm_90's entry; sm_100's takes 1 stage, 2 spilled 16 B.)
     "attention_bwd_dkdv/h128/16bit": [(64, 64, 0, 8, 2), (64, 64, 0, 8, 3), (64, 128, 0, 8, 2), (32, 64, 0, 4, 2),
                                       (64, 64, 0, 4, 2)],
-    # f32 at head_dim 256: the head dim split in two on wgmma (sm_90's entries) against the
-    # unsplit mma.sync tiles they replaced (head_split 1), all without spills on H200.
+    # f32 at head_dim 256: the head dim split between programs on wgmma (sm_90's entries split
+    # in two; dq also in four) against the unsplit mma.sync tiles they replaced (head_split
+    # 1), all without spills on H200.
     "attention_fwd/h256/f32": [(32, 32, 0, 4, 2, 0, 1), (128, 32, 0, 8, 1, 0, 2), (64, 32, 0, 4, 1, 0, 2),
                                (128, 16, 0, 8, 2, 0, 2)],
     "attention_bwd_dq/h256/f32": [(32, 32, 0, 8, 2, 0, 1), (64, 16, 0, 4, 1, 0, 2), (64, 16, 0, 8, 1, 0, 4)],
@@ -122,7 +124,7 @@ CASES = {"attention": _attention_case, "attention_f32_h256": _attention_f32_h256
 
 def case_of(key: str) -> str:
     """The case (a key of ``CASES``) that times the tuning-table key ``key``."""
-    if key.startswith("attention_") and "/h256/f32" in key:
+    if key.startswith("attention_") and key.endswith("/h256/f32"):
         return "attention_f32_h256"
     return next(c for c in CASES if key.startswith(c))
 

@@ -107,21 +107,23 @@ def test_dkdv_keys_first(case, monkeypatch):
     assert seen and all(seen)
 
 
-@pytest.mark.parametrize("split,H,keys_first", [(2, 64, False), (2, 48, True), (4, 64, True)])
-def test_head_split_between_programs(split, H, keys_first):
+@pytest.mark.parametrize("split,H,keys_first,dtype", [(2, 64, False, "float32"), (2, 48, True, "float32"),
+                                                     (4, 64, True, "float32"), (4, 40, False, "bfloat16")])
+def test_head_split_between_programs(split, H, keys_first, dtype):
     # The head dim split into column parts on the grid's last axis (the table's head_split,
     # f32 forward and dq at head_dim 256 on sm_90/sm_100), each part recomputing S from all
     # parts: GQA, causal + window + softcap with tails, segment ids; H = 48 leaves the second
-    # part's last columns as padding. Each program writes its own columns only (one part the
-    # lse), and no load or store leaves its operand.
+    # part's last columns as padding, H = 40 in four parts all of the last part (a program
+    # that stores nothing). Each program writes its own columns only (one part the lse),
+    # and no load or store leaves its operand.
     parts = {"head_split": split}
     over = {_tuning.arch(): {"attention_fwd": parts, "attention_bwd_dq": parts,
                              "attention_bwd_dkdv": {**parts, "keys_first": keys_first}}}
     kw = dict(is_causal=True, sliding_window=20, logit_softcap=30.0)
     with _tuning.use(over):
-        _check("pallas", 2, 37, 29, 4, 2, H, blocks=(8, 8), **kw)
-        _check("pallas", 2, 12, 12, 4, 2, H, blocks=(8, 8), is_causal=True, segment_ids=SEG3)
-        q, k, v, ct = _inputs(1, 20, 20, 2, 1, H)
+        _check("pallas", 2, 37, 29, 4, 2, H, dtype=dtype, blocks=(8, 8), **kw)
+        _check("pallas", 2, 12, 12, 4, 2, H, dtype=dtype, blocks=(8, 8), is_causal=True, segment_ids=SEG3)
+        q, k, v, ct = _inputs(1, 20, 20, 2, 1, H, dtype)
         f = lambda q, k, v: dot_product_attention(q, k, v, implementation="pallas", **kw)
         checked = set()
         with PA.block_sizes(8, 8):  # one launch hook at a time: two runs
@@ -135,12 +137,14 @@ def test_head_split_between_programs(split, H, keys_first):
     assert not races, races
 
 
-def test_head_split_must_leave_parts_of_16_columns():
-    over = {_tuning.arch(): {"attention_fwd": {"head_split": 8}}}
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_head_split_must_leave_parts_of_16_columns(kernel):
+    over = {_tuning.arch(): {kernel: {"head_split": 8}}}
     q = jnp.zeros((1, 16, 2, 64), jnp.float32)
-    with _tuning.use(over), pytest.raises(ValueError, match="attention: head_split 8 must divide the padded "
+    f = lambda q: dot_product_attention(q, q, q, implementation="pallas").sum()
+    with _tuning.use(over), pytest.raises(ValueError, match=f"^{kernel}: head_split 8 must divide the padded "
                                           "head dim 64 into parts of at least 16 columns"):
-        dot_product_attention(q, q, q, implementation="pallas")
+        jax.grad(f)(q)
 
 
 def test_segment_block_bounds_skip_other_documents():

@@ -178,6 +178,16 @@ def test_main_loop_is_the_smallest_innermost_tensor_core_loop():
         assert deviceless.main_loop(re.sub(r"HGMMA[^;]*", other + " R4, UR8", _SASS)) is None
 
 
+def test_instructions_per_score_element_count_every_program_of_a_tile():
+    # 4 loop instructions x 128 threads over a 64 x 16 tile: 0.5 per element; a kernel whose
+    # head dim is split between two programs (metadata s_repeats) computes each tile twice.
+    mix = {"loop_sass": 4}
+    call = {"metadata": {"s_tile": "64x16"}}
+    assert deviceless._inst_per_s(mix, 128, call) == 0.5
+    assert deviceless._inst_per_s(mix, 128, {"metadata": {**call["metadata"], "s_repeats": "2"}}) == 1.0
+    assert deviceless._inst_per_s(mix, 128, {"metadata": {}}) is None
+
+
 def test_ex2_subnormal_fixup_is_recognised():
     # PTX ex2.approx.f32 (jnp.exp2): ptxas compares the argument with -126 and halves it and
     # squares the result where lower; ex2.approx.ftz.f32 is the MUFU.EX2 alone.

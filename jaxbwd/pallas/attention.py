@@ -22,7 +22,7 @@ split into two kernels so that nothing is accumulated with atomics):
 Where the tuning table gives a kernel a ``head_split`` (f32 forward and dq at head_dim 256
 on sm_90/sm_100), the grid has a last axis over that many column parts of the head dim:
 each program keeps only its part's columns of the accumulator and writes only those, and
-recomputes the score tile (and dq the dP tile) from all parts (``_parts``).
+recomputes the score tile (and the backward the dP tile) from all parts (``_parts``).
 
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
 Exponentials are ``exp2`` of base-2 logits, ``log2(e)`` folded into the scale (see
@@ -265,19 +265,27 @@ def _parts(d: Dims, split: int):
     Why: at head_dim 256 in f32 a [64, 256] accumulator alone takes 128 registers per
     thread of a warpgroup, and every 64-row tile (wgmma's M) spilled. Two parts halve it,
     for 1.5x the forward's tensor-core work (S twice) and 1.67x dq's (S and dP twice).
-    The parts of one block run in different waves, so each reads the other operands from
+    The parts of one block run in different waves, so the second reads its operands from
     HBM again where L2 no longer holds them: at the registry's head_dim-256 case (f32, 4096
-    tokens, window 1024) one more read of k and v, 64 MiB (about 14 us at 4.8 TB/s), beside
-    about 69 GFLOP of forward (an estimate, not measured: a few percent). With the parts as
-    the first axis, side by side, dq spilled 8-32 B."""
+    tokens, window 1024) at most 96 MiB more in the forward (q and k) and 192 MiB in dq (q,
+    k, v, dO), 20-40 us at 4.8 TB/s: at most 10-15% of their tensor-core time at TF32's
+    dense peak of 495 TFLOP/s (an estimate, not measured). With the parts as the first
+    axis, side by side, dq spilled 8-32 B. Each part sums the per-part products of S
+    starting with its own, so the parts' copies of S may differ in the last bit (rounding
+    only)."""
     if split == 1:
         return d.Hp, (0,)
-    w = d.Hp // split
-    if w < 16 or w * split != d.Hp:
-        raise ValueError(f"attention: head_split {split} must divide the padded head dim {d.Hp} "
-                         f"into parts of at least 16 columns")
     p = pl.program_id(2)
-    return w, tuple(((p + o) % split) * w for o in range(split))
+    return d.Hp // split, tuple(((p + o) % split) * (d.Hp // split) for o in range(split))
+
+
+def _check_split(d: Dims, split: int, kernel: str) -> int:
+    """``split`` after checking that it cuts the padded head dim into parts of >= 16 columns
+    (Triton's smallest dot). Raises ValueError naming the kernel."""
+    if split > 1 and (d.Hp % split or d.Hp // split < 16):
+        raise ValueError(f"{kernel}: head_split {split} must divide the padded head dim {d.Hp} "
+                         f"into parts of at least 16 columns")
+    return split
 
 
 def _tiles(ref, b, L, rows, head, d: Dims, rmask, w, offsets):
@@ -379,11 +387,12 @@ def attention_fwd(q2, k2, v2, qseg, kseg, d: Dims, *, interpret: bool = False):
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2) + segs
     out_shape = [jax.ShapeDtypeStruct(q2.shape, q2.dtype), jax.ShapeDtypeStruct((d.B * d.N, d.T), jnp.float32)]
-    split = cfg.head_split
+    split = _check_split(d, cfg.head_split, "attention_fwd")
     kernel = functools.partial(_fwd_kernel, d=d, bq=bq, bk=bk, split=split)
     return C.call(
         kernel, name="attention_fwd", grid=_split_grid((C.cdiv(d.T, bq), d.B * d.N), split), out_shape=out_shape,
-        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d), metadata=_s_meta(bq, bk, split),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d) * (split + 1) // 2,
+        metadata=_s_meta(bq, bk, split),
         transcendentals=split * d.B * d.N * d.T * d.S // (2 if d.causal else 1),
         bytes_accessed=C.nbytes(*inputs) + (split - 1) * C.nbytes(q2, k2) + C.nbytes(q2) + 4 * d.B * d.N * d.T,
     )(*inputs)
@@ -502,12 +511,12 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     kv_inputs = base + ((qseg, kseg, segment_block_bounds(kseg, qseg, bk, bq)) if d.segments else ())
     nbytes = C.nbytes(*base)
-    split = cfg.head_split
+    split = _check_split(d, cfg.head_split, "attention_bwd_dkdv")
     dkdv = C.call(
         functools.partial(_dkdv_kernel, d=d, bq=bq, bk=bk, keys_first=cfg.keys_first, split=split),
         name="attention_bwd_dkdv", grid=_split_grid((C.cdiv(d.S, bk), d.B * d.K), split),
         out_shape=[jax.ShapeDtypeStruct(k2.shape, k2.dtype), jax.ShapeDtypeStruct(v2.shape, v2.dtype)],
-        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d) * (split + 1),
         transcendentals=split * _flops(d) // (4 * d.H),
         bytes_accessed=split * nbytes + C.nbytes(k2, v2),
         metadata=_s_meta(bk, bq, split),
@@ -516,11 +525,11 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
     cfg = _config(d, "dq", q2.dtype)
     bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     inputs = base + ((qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ())
-    split = cfg.head_split
+    split = _check_split(d, cfg.head_split, "attention_bwd_dq")
     dq = C.call(
         functools.partial(_dq_kernel, d=d, bq=bq, bk=bk, split=split), name="attention_bwd_dq",
         grid=_split_grid((C.cdiv(d.T, bq), d.B * d.N), split), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
-        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=int(1.5 * _flops(d)),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=_flops(d) * (2 * split + 1) // 2,
         metadata=_s_meta(bq, bk, split),
         transcendentals=split * _flops(d) // (4 * d.H), bytes_accessed=split * nbytes + C.nbytes(q2),
     )(*inputs)
