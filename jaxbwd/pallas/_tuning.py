@@ -227,8 +227,8 @@ TABLE: dict[str, dict[str, Config]] = {
         # before), dq 249.2 -> 189.0 (64 x 16 on 4 warps, 255 registers). dk/dv holds two
         # [block_k, 256] f32 accumulators and f32 K/V tiles; split in two it spilled 64-3176 B
         # at every wgmma tile, and in four (no spills) it issued 423 instructions per unique S
-        # element against 289: it stays on mma.sync. Computing S = Q K^T, 16 x 16 on 8 warps was the
-        # first tile without spills (1912 B at 32 x 32); computing S^T = K Q^T (keys_first),
+        # element against 289: it stays on mma.sync. Computing S = Q K^T, 16 x 16 on 8 warps
+        # was the first tile without spills (1912 B at 32 x 32); computing S^T = K Q^T (keys_first),
         # 32 x 32 is: 253 registers, main loop 988 -> 290 instructions per S element, Q and dO
         # read once per 32 keys instead of 16. Still mma.sync: every tile with 64 key rows
         # (wgmma's M) spilled 376-1600 B (K and V held in registers as wgmma's A operand:
