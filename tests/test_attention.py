@@ -133,7 +133,7 @@ def test_head_split_between_programs(split, H, keys_first, dtype):
                 jax.block_until_ready(jax.vjp(f, q, k, v)[1](ct))
     assert not oob and checked == set(KERNELS), (oob, checked)
     assert {w.kernel: w.grid[2:] for w in writes} == {k: (split,) for k in KERNELS}
-    races = [w for w in writes if w.multiply_written or w.unwritten or w.dependent]
+    races = [w for w in writes if w.racy]
     assert not races, races
 
 

@@ -77,6 +77,7 @@ def _writes(kernel, aliases=None):
         jax.block_until_ready(_launch(kernel, X, aliases))
     (r,) = reports
     assert (r.kernel, r.grid, r.size) == ("toy", GRID, ROWS * COLS)
+    assert r.racy == any((r.multiply_written, r.unwritten, r.dependent))
     return r.multiply_written, r.unwritten, r.dependent
 
 
