@@ -1,9 +1,10 @@
 """Implementation choice and Pallas interpret mode.
 
-Every op takes ``implementation=None | "pallas" | "xla"`` (and ``"pallas:triton"`` or
-``"pallas:mosaic"``, below). ``None`` defers to the
-global default, which is ``JAXBWD_IMPLEMENTATION`` from the environment, or, when
-unset, "pallas" on GPU and "xla" elsewhere. Interpret mode (Pallas kernels run on
+Every op takes ``implementation=None | "auto" | "pallas" | "xla" | "pallas:triton" |
+"pallas:mosaic"``, and :func:`use`, :func:`set_default` and ``JAXBWD_IMPLEMENTATION`` take
+the same values (one vocabulary; ``"pallas:<backend>"`` names the Pallas backend too, below).
+``None`` or ``"auto"`` defers to the global default, which is ``JAXBWD_IMPLEMENTATION`` from
+the environment, or, when unset, "pallas" on GPU and "xla" elsewhere. Interpret mode (Pallas kernels run on
 CPU through ``pallas_call(..., interpret=True)``) is off unless ``JAXBWD_INTERPRET=1``
 or set from code. The choice is read once, at trace time: a jitted function keeps
 what it was traced with.
@@ -11,7 +12,9 @@ what it was traced with.
 Pallas backends. The Pallas path compiles through Triton (the default) or, for the ops and
 GPU generations listed in ``MOSAIC_KERNELS``, through Mosaic GPU. The choice comes from
 ``use(pallas_backend=...)``/``set_default(pallas_backend=...)``, ``JAXBWD_PALLAS_BACKEND``
-(``triton`` or ``mosaic``), or per call as ``implementation="pallas:mosaic"`` /
+(``triton`` or ``mosaic``), ``implementation="pallas:mosaic"`` / ``"pallas:triton"`` given to
+those settings (the same as ``implementation="pallas"`` with that ``pallas_backend``; both
+given and different: ``ValueError``), or per call as ``implementation="pallas:mosaic"`` /
 ``"pallas:triton"``. The rule when Mosaic is asked for an op, GPU generation or dtype the
 table does not list:
 
@@ -68,26 +71,44 @@ MOSAIC_KERNELS = {
 MOSAIC_AVAILABLE = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
-def _env_implementation() -> Optional[str]:
+_NAMES = "None, 'auto', 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic'"
+
+
+def _split(implementation, where: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """``implementation`` as (``"pallas"``/``"xla"``/None for the default, the Pallas backend
+    it names or None): ``"pallas:mosaic"`` -> ("pallas", "mosaic"), ``"auto"`` -> (None, None)."""
+    at = f"jaxbwd{'.' + where if where else ''}"
+    if implementation is None:
+        return None, None
+    if not isinstance(implementation, str):
+        raise TypeError(f"{at}: implementation must be a string or None ({_NAMES}), got {implementation!r}")
+    if implementation == "auto":
+        return None, None
+    if implementation in IMPLEMENTATIONS:
+        return implementation, None
+    if implementation in _PER_CALL:
+        return "pallas", _PER_CALL[implementation]
+    raise ValueError(f"{at}: implementation must be {_NAMES}, got {implementation!r}")
+
+
+def _env_settings() -> tuple[Optional[str], str]:
+    """(implementation, Pallas backend) from ``JAXBWD_IMPLEMENTATION`` and ``JAXBWD_PALLAS_BACKEND``."""
     value = os.environ.get("JAXBWD_IMPLEMENTATION", "").strip().lower()
-    if value in ("", "auto", "none"):
-        return None
-    if value not in IMPLEMENTATIONS:
+    try:
+        implementation, named = _split(None if value in ("", "none") else value, None)
+    except ValueError:
+        raise ValueError("jaxbwd: JAXBWD_IMPLEMENTATION must be one of auto, none, pallas, xla, pallas:triton, "
+                         f"pallas:mosaic or unset, got {value!r}") from None
+    backend = os.environ.get("JAXBWD_PALLAS_BACKEND", "").strip().lower()
+    if backend not in ("", "auto", "none") + PALLAS_BACKENDS:
         raise ValueError(
-            f"jaxbwd: JAXBWD_IMPLEMENTATION must be one of {IMPLEMENTATIONS} or unset, got {value!r}"
+            f"jaxbwd: JAXBWD_PALLAS_BACKEND must be one of auto, none, triton, mosaic or unset, got {backend!r}"
         )
-    return value
-
-
-def _env_pallas_backend() -> str:
-    value = os.environ.get("JAXBWD_PALLAS_BACKEND", "").strip().lower()
-    if value in ("", "auto", "none"):
-        return "triton"
-    if value not in PALLAS_BACKENDS:
-        raise ValueError(
-            f"jaxbwd: JAXBWD_PALLAS_BACKEND must be one of {PALLAS_BACKENDS} or unset, got {value!r}"
-        )
-    return value
+    backend = backend if backend in PALLAS_BACKENDS else None
+    if named and backend and named != backend:
+        raise ValueError(f"jaxbwd: JAXBWD_IMPLEMENTATION={value} and JAXBWD_PALLAS_BACKEND={backend} "
+                         "name different Pallas backends")
+    return implementation, named or backend or "triton"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -120,7 +141,8 @@ _override: contextvars.ContextVar[Optional[_Settings]] = contextvars.ContextVar(
 def _process_default() -> _Settings:
     global _default
     if _default is None:
-        _default = _Settings(_env_implementation(), _env_flag("JAXBWD_INTERPRET", False), _env_pallas_backend(),
+        implementation, backend = _env_settings()
+        _default = _Settings(implementation, _env_flag("JAXBWD_INTERPRET", False), backend,
                              _env_flag("JAXBWD_CUSTOM_PARTITIONING", True))
     return _default
 
@@ -130,31 +152,21 @@ def _current() -> _Settings:
     return s if s is not None else _process_default()
 
 
-def _check_implementation(implementation, op=None, per_call=False):
-    ok = IMPLEMENTATIONS + (tuple(_PER_CALL) if per_call else ())
-    if implementation is not None and implementation not in ok:
-        names = "'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic'" if per_call else "'auto', 'pallas' or 'xla'"
-        raise ValueError(
-            f"jaxbwd{'.' + op if op else ''}: implementation must be None, {names}, got {implementation!r}"
-        )
-
-
-def check_implementation(implementation: Optional[str], where: str, *, per_call: bool = True) -> None:
+def check_implementation(implementation: Optional[str], where: str) -> None:
     """Checks an ``implementation`` value where it is given rather than where it is first used
     (the modules in :mod:`jaxbwd.nn` check theirs when built).
 
     Args:
-      implementation: the value to check.
+      implementation: the value to check: None, ``"auto"``, ``"pallas"``, ``"xla"``,
+        ``"pallas:triton"`` or ``"pallas:mosaic"`` (what an op, :func:`use` and
+        :func:`set_default` take).
       where: what took it, for the message (``"nn.LayerNorm"`` -> ``jaxbwd.nn.LayerNorm: ...``).
-      per_call: also accept ``"pallas:triton"``/``"pallas:mosaic"`` (an op's own argument;
-        :func:`use` and :func:`set_default` take only None, ``"auto"``, ``"pallas"``, ``"xla"``).
 
     Raises:
-      ValueError: ``implementation`` is not one of those values.
+      ValueError: a string that is not one of those values.
+      TypeError: neither a string nor None.
     """
-    if not per_call and implementation == "auto":
-        return
-    _check_implementation(implementation, where, per_call=per_call)
+    _split(implementation, where)
 
 
 def _check_backend(pallas_backend, where="config"):
@@ -173,14 +185,18 @@ def _merged(cur: _Settings, implementation, interpret, pallas_backend=_UNSET, cu
             where="config") -> _Settings:
     _check_flag(interpret, "interpret", where)
     _check_flag(custom_partitioning, "custom_partitioning", where)
+    named = None
     if implementation is not _UNSET:
-        if implementation == "auto":
-            implementation = None
-        _check_implementation(implementation, where)
+        implementation, named = _split(implementation, where)
     if pallas_backend is not _UNSET:
         if pallas_backend is None or pallas_backend == "auto":  # as JAXBWD_PALLAS_BACKEND=auto
             pallas_backend = "triton"
         _check_backend(pallas_backend, where)
+        if named and named != pallas_backend:
+            raise ValueError(f"jaxbwd.{where}: implementation 'pallas:{named}' and pallas_backend "
+                             f"{pallas_backend!r} name different Pallas backends")
+    elif named:
+        pallas_backend = named
     return _Settings(
         cur.implementation if implementation is _UNSET else implementation,
         cur.interpret if interpret is _UNSET else bool(interpret),
@@ -197,7 +213,8 @@ def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas
 
     Args:
       implementation: ``"pallas"``, ``"xla"``, or ``None``/``"auto"`` for Pallas on GPU and
-        XLA elsewhere.
+        XLA elsewhere; ``"pallas:triton"``/``"pallas:mosaic"``: ``"pallas"`` with that
+        ``pallas_backend``.
       interpret: run Pallas kernels in interpret mode (CPU).
       pallas_backend: ``"triton"`` (default; also ``None``/``"auto"``) or ``"mosaic"``: Mosaic
         GPU kernels for the ops and GPU generations in ``MOSAIC_KERNELS``, Triton for the rest
@@ -210,8 +227,10 @@ def set_default(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas
         callbacks.
 
     Raises:
-      ValueError: ``implementation`` or ``pallas_backend`` is not one of those values.
-      TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
+      ValueError: ``implementation`` or ``pallas_backend`` is not one of those values, or the
+        two name different Pallas backends.
+      TypeError: ``implementation`` is neither a string nor None; ``interpret`` or
+        ``custom_partitioning`` is not a bool.
     """
     global _default
     _default = _merged(_process_default(), implementation, interpret, pallas_backend, custom_partitioning,
@@ -229,9 +248,11 @@ def use(*, implementation: Any = _UNSET, interpret: Any = _UNSET, pallas_backend
     Args: as :func:`set_default`. Yields: None.
 
     Raises:
-      ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"`` or ``"xla"``;
-        ``pallas_backend`` is not ``None``, ``"auto"``, ``"triton"`` or ``"mosaic"``.
-      TypeError: ``interpret`` or ``custom_partitioning`` is not a bool.
+      ValueError: ``implementation`` is not ``None``, ``"auto"``, ``"pallas"``, ``"xla"``,
+        ``"pallas:triton"`` or ``"pallas:mosaic"``; ``pallas_backend`` is not ``None``,
+        ``"auto"``, ``"triton"`` or ``"mosaic"``; the two name different Pallas backends.
+      TypeError: ``implementation`` is neither a string nor None; ``interpret`` or
+        ``custom_partitioning`` is not a bool.
     """
     token = _override.set(_merged(_current(), implementation, interpret, pallas_backend, custom_partitioning,
                                   "config.use"))
@@ -264,11 +285,12 @@ def default_implementation() -> str:
 
 def resolve(implementation: Optional[str], op: str) -> str:
     """Resolves an op's ``implementation`` argument to ``"pallas"`` or ``"xla"`` at trace time
-    (``"pallas:triton"``/``"pallas:mosaic"`` resolve to ``"pallas"``).
+    (``"pallas:triton"``/``"pallas:mosaic"`` resolve to ``"pallas"``, None and ``"auto"`` to
+    the default).
 
     Args:
-      implementation: the op's argument (None, ``"pallas"``, ``"xla"``, ``"pallas:triton"``,
-        ``"pallas:mosaic"``).
+      implementation: the op's argument (None, ``"auto"``, ``"pallas"``, ``"xla"``,
+        ``"pallas:triton"``, ``"pallas:mosaic"``).
       op: the op's name, for the message.
 
     Returns:
@@ -276,10 +298,9 @@ def resolve(implementation: Optional[str], op: str) -> str:
 
     Raises:
       ValueError: an unknown implementation name.
+      TypeError: neither a string nor None.
     """
-    _check_implementation(implementation, op, per_call=True)
-    if implementation in _PER_CALL:
-        return "pallas"
+    implementation, _ = _split(implementation, op)
     return implementation if implementation is not None else default_implementation()
 
 

@@ -190,7 +190,7 @@ def _norm_bad(fn_args):
         BadInput("integer x", lambda: (fn_args(jnp.ones((4, 8), jnp.int32), jnp.ones((8,), f32)), {}), TypeError, r"x must have a floating dtype.*got int32"),
         BadInput("eps <= 0", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": 0.0}), ValueError, r"eps must be a positive number, got 0.0"),
         BadInput("string eps", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"eps": "1e-6"}), TypeError, r"eps must be a real Python number, got '1e-6'"),
-        BadInput("implementation", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"implementation": "cuda"}), ValueError, r"implementation must be None, 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic', got 'cuda'"),
+        BadInput("implementation", lambda: (fn_args(jnp.ones((4, 8), f32), jnp.ones((8,), f32)), {"implementation": "cuda"}), ValueError, r"implementation must be None, 'auto', 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic', got 'cuda'"),
     )
 
 

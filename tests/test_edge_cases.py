@@ -78,7 +78,7 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), 2.0), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got 2.0"),
         (lambda: jaxbwd.upsample2d(jnp.ones((1, 4, 4, 3)), (2, 2, 2)), ValueError, r"upsample2d: scale must be an int >= 1 or a pair of them, got \(2, 2, 2\)"),
         (lambda: jax.jit(lambda s: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), (s, 2)))(2), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got a traced value"),
-        (lambda: jaxbwd.matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), implementation="bogus"), ValueError, r"^jaxbwd\.matmul: implementation must be None, 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic', got 'bogus'$"),
+        (lambda: jaxbwd.matmul(jnp.ones((2, 3)), jnp.ones((3, 4)), implementation="bogus"), ValueError, r"^jaxbwd\.matmul: implementation must be None, 'auto', 'pallas', 'xla', 'pallas:triton' or 'pallas:mosaic', got 'bogus'$"),
         (lambda: jaxbwd.max_pool2d(jnp.ones((1, 4, 4, 3)), None), TypeError, r"max_pool2d: window_shape must be an int >= 1 or a pair of them, got None"),
         (lambda: jaxbwd.avg_pool2d(jnp.ones((1, 4, 4, 3)), None), TypeError, r"avg_pool2d: window_shape must be an int >= 1 or a pair of them, got None"),
         # axis/axis_name mixed up: JAX's collectives would read an int as a positional axis

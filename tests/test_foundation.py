@@ -25,7 +25,8 @@ def test_config_context_manager_restores_and_validates():
         with config.use(implementation="xla"):
             assert config.default_implementation() == "xla" and not config.interpret()
     assert (config.default_implementation(), config.interpret()) == before
-    with pytest.raises(ValueError, match=r"implementation must be None, 'auto', 'pallas' or 'xla', got 'triton'"):
+    with pytest.raises(ValueError, match=r"config.use: implementation must be None, 'auto', 'pallas', 'xla', "
+                                         r"'pallas:triton' or 'pallas:mosaic', got 'triton'"):
         with config.use(implementation="triton"):
             pass
     # a string would read as True ("no" turning interpret mode on): only booleans
@@ -38,6 +39,47 @@ def test_config_context_manager_restores_and_validates():
     with config.use(custom_partitioning=False, interpret=np.bool_(True)):
         assert not config.custom_partitioning() and config.interpret()
     assert config.custom_partitioning()
+
+
+def test_one_implementation_vocabulary_everywhere():
+    # An op's argument, config.use, config.set_default and JAXBWD_IMPLEMENTATION take the same
+    # values: "auto" per call is the default; "pallas:<backend>" in the settings is "pallas"
+    # with that backend, and a pallas_backend that names another is refused.
+    x = jnp.linspace(-2.0, 2.0, 6)
+    chex.assert_trees_all_equal(jaxbwd.relu(x, implementation="auto"), jaxbwd.relu(x))
+    assert config.resolve("auto", "relu") == config.default_implementation()
+    q = jnp.ones((1, 4, 1, 272))  # a head dim past the kernels': "auto" falls back as None does
+    with config.use(implementation="pallas"):
+        assert jaxbwd.dot_product_attention(q, q, q, implementation="auto").shape == q.shape
+        with pytest.raises(ValueError, match=r"head dim H must be <= 256 for the Pallas kernels, got H=272"):
+            jaxbwd.dot_product_attention(q, q, q, implementation="pallas")
+    with config.use(implementation="pallas:mosaic"):
+        assert (config.default_implementation(), config.pallas_backend()) == ("pallas", "mosaic")
+        with config.use(implementation="xla"):  # the backend stays as the outer block set it
+            assert (config.default_implementation(), config.pallas_backend()) == ("xla", "mosaic")
+    with config.use(implementation="pallas:triton", pallas_backend="triton"):
+        assert config.pallas_backend() == "triton"
+    with pytest.raises(ValueError, match=r"^jaxbwd.config.use: implementation 'pallas:mosaic' and pallas_backend "
+                                         r"'triton' name different Pallas backends$"):
+        with config.use(implementation="pallas:mosaic", pallas_backend="triton"):
+            pass
+    for bad in (3, b"xla"):
+        for call in (lambda: config.set_default(implementation=bad), lambda: jaxbwd.relu(x, implementation=bad)):
+            with pytest.raises(TypeError, match=r"implementation must be a string or None \(None, 'auto', "):
+                call()
+    code = "from jaxbwd import config; print(config.default_implementation(), config.pallas_backend())"
+    env = dict(os.environ, JAXBWD_IMPLEMENTATION="pallas:mosaic")
+    env.pop("JAXBWD_PALLAS_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["pallas", "mosaic"]
+    env["JAXBWD_PALLAS_BACKEND"] = "triton"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and ("JAXBWD_IMPLEMENTATION=pallas:mosaic and JAXBWD_PALLAS_BACKEND=triton name "
+                                    "different Pallas backends") in bad.stderr
+    env = dict(os.environ, JAXBWD_IMPLEMENTATION="cuda")
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and ("JAXBWD_IMPLEMENTATION must be one of auto, none, pallas, xla, pallas:triton, "
+                                    "pallas:mosaic or unset, got 'cuda'") in bad.stderr
 
 
 def test_set_default_inside_use_changes_only_what_it_names():

@@ -728,7 +728,8 @@ def test_modules_check_implementation_when_built():
     with pytest.raises(ValueError, match=r"jaxbwd.nn.LayerNorm: implementation must be"):
         jnn.LayerNorm(implementation="cuda", reduction_axes=(1, 2)).init(jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"jaxbwd.nn.MultiHeadDotProductAttention: implementation must be"):
-        jnn.MultiHeadDotProductAttention(num_heads=2, implementation="pallas:mosaic")
+        jnn.MultiHeadDotProductAttention(num_heads=2, implementation="cuda")
+    jnn.MultiHeadDotProductAttention(num_heads=2, implementation="pallas:mosaic")  # config.use takes it too
     with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.LayerNorm: implementation must be"):
         jnnx.LayerNorm(4, implementation="cuda", rngs=nnx.Rngs(0))
     jnn.LayerNorm(implementation="pallas:triton").init(jax.random.PRNGKey(0), x)  # an op's per-call form

@@ -33,12 +33,10 @@ class _Impl:
     """Checks ``implementation`` when the module is built, as the NNX modules do: a module
     whose call falls back to flax's code would otherwise never look at it."""
 
-    _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
-
     def __post_init__(self):
         # this module's own class name, not a lifted transform's (CheckpointLayerNorm) or a subclass's
         name = next(c.__name__ for c in type(self).__mro__ if c.__module__ == __name__ and c is not _Impl)
-        jaxbwd.config.check_implementation(self.implementation, f"nn.{name}", per_call=self._per_call)
+        jaxbwd.config.check_implementation(self.implementation, f"nn.{name}")
         super().__post_init__()
 
 
@@ -241,7 +239,6 @@ class MultiHeadDotProductAttention(_Impl, fnn.MultiHeadDotProductAttention):
 
     attention_fn: Callable[..., Any] = dot_product_attention
     implementation: Optional[str] = None
-    _per_call = False
 
     @fnn.compact
     def __call__(self, *args, **kwargs):

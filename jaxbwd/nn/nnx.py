@@ -30,11 +30,9 @@ def _value(p):
 
 
 class _Impl:
-    _per_call = True  # False where it goes to jaxbwd.config.use (no "pallas:<backend>")
-
     def _set_impl(self, implementation: Optional[str]):
         name = next(c.__name__ for c in type(self).__mro__ if c.__module__ == __name__ and c is not _Impl)
-        jaxbwd.config.check_implementation(implementation, f"nn.nnx.{name}", per_call=self._per_call)
+        jaxbwd.config.check_implementation(implementation, f"nn.nnx.{name}")
         self.implementation = implementation
 
 
@@ -298,8 +296,6 @@ class MultiHeadAttention(nnx.MultiHeadAttention, _Impl):
 
     Call shapes, dtypes and errors: as :class:`jaxbwd.nn.MultiHeadDotProductAttention`.
     """
-
-    _per_call = False
 
     def __init__(self, *args, attention_fn=dot_product_attention, implementation: Optional[str] = None, **kwargs):
         super().__init__(*args, attention_fn=attention_fn, **kwargs)
