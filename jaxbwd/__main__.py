@@ -136,17 +136,28 @@ def _bench(args) -> int:
 def _compile(args) -> int:
     from jaxbwd import deviceless
 
-    missing = deviceless.missing_requirements()
-    if missing:
-        print(f"error: compiling for a GPU without one needs {', '.join(missing)}.\n"
-              f"Install: {deviceless.INSTALL_HINT}", file=sys.stderr)
-        return 2
     gpus = list(dict.fromkeys(g.strip() for g in args.gpu.split(",")))  # repeats compile once
     dtypes = list(dict.fromkeys(_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",")))
     precisions = list(dict.fromkeys(None if p.strip() == "default" else p.strip() for p in args.precision.split(",")))
     cases = deviceless.cases(args.ops, dtypes=dtypes, gpus=gpus, precisions=precisions)
     if not cases:
         print("error: no Pallas kernels among the ops asked for", file=sys.stderr)
+        return 2
+    if None not in precisions:  # only other precisions asked for: say where they do not apply
+        at_default = sum(c.precision is None for c in cases)
+        applies = (f"--precision {args.precision} applies to the float32 cases of "
+                   f"{', '.join(deviceless.MATMUL_OPS)} (their dots)")
+        if at_default == len(cases):
+            print(f"error: {applies}: none among the ops and dtypes asked for (add default to compile "
+                  "them at the default precision)", file=sys.stderr)
+            return 2
+        if at_default:
+            print(f"note: {applies}; the other {deviceless.plural(at_default, 'case')} "
+                  f"compile{'s' * (at_default == 1)} at the default precision", file=sys.stderr)
+    missing = deviceless.missing_requirements()
+    if missing:
+        print(f"error: compiling for a GPU without one needs {', '.join(missing)}.\n"
+              f"Install: {deviceless.INSTALL_HINT}", file=sys.stderr)
         return 2
     jobs = deviceless.worker_count(args.jobs, len(cases))
     print(f"compiling {deviceless.plural(len(cases), 'case')} for {', '.join(gpus)} in "
@@ -209,20 +220,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxbwd", description="jaxbwd: JAX ops with Pallas backward kernels")
     sub = p.add_subparsers(dest="cmd", required=True)
     ops_help = ("op names, space-separated (default: all; `list` shows them), or user ops as "
-                "module:ATTR or path/file.py:ATTR (an OpSpec or a list of them)")
+                "module:ATTR or path/file.py:ATTR (an OpSpec or a list of them); given twice, both lists")
     wide_help = "one line per row, however wide (default: wrap to 120 columns)"
     text = "print the op registry as a table"
     pl = sub.add_parser("list", help=text, description=text)
-    pl.add_argument("--ops", nargs="*", help=ops_help)
+    pl.add_argument("--ops", nargs="*", action="extend", help=ops_help)
     pl.add_argument("--wide", action="store_true", help=wide_help)
     text = ("gradient check of each op against autodiff of its reference (2-3 minutes on 2 CPU cores, where "
             "the Pallas kernels run in interpret mode)")
     pc = sub.add_parser("check", help=text, description=text)
-    pc.add_argument("--ops", nargs="*", help=ops_help)
+    pc.add_argument("--ops", nargs="*", action="extend", help=ops_help)
     pc.add_argument("--wide", action="store_true", help=wide_help)
     text = "time fwd+bwd vs XLA autodiff of the library call each op replaces; residual and temp memory"
     pb = sub.add_parser("bench", help=text, description=text)
-    pb.add_argument("--ops", nargs="*", help=ops_help)
+    pb.add_argument("--ops", nargs="*", action="extend", help=ops_help)
     pb.add_argument("--size", choices=["small", "llm"], default=None,
                     help="input shapes: small (test-sized, float32; the default on CPU) or llm (realistic "
                          "training shapes, mostly bf16; the default on GPU, slow on CPU)")
@@ -243,7 +254,7 @@ def main(argv=None) -> int:
                     "GPU compiler (deviceless, on this CPU machine) and reads registers, spills, shared memory, "
                     "occupancy, tensor-core instructions and bytes from the compiled kernels. "
                     "Needs: pip install -e \".[compile]\" (Python >= 3.12).")
-    pg.add_argument("--ops", nargs="*", help="op names, space-separated (default: every op with Pallas kernels), "
+    pg.add_argument("--ops", nargs="*", action="extend", help="op names, space-separated (default: every op with Pallas kernels), "
                                              "or user ops as module:ATTR or path/file.py:ATTR")
     pg.add_argument("--gpu", default="h200",
                     help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100) "
@@ -251,7 +262,8 @@ def main(argv=None) -> int:
     pg.add_argument("--dtype", default="f32,bf16", help="input dtypes, comma-separated: f32, bf16, f16 "
                                                         "(default: f32,bf16)")
     pg.add_argument("--precision", default="default",
-                    help="jax.default_matmul_precision for the f32 cases, comma-separated: default (TF32 dots), "
+                    help="jax.default_matmul_precision for the f32 cases of the ops with dots (attention, "
+                         "conv2d, linear_cross_entropy), comma-separated: default (TF32 dots), "
                          "highest (3xTF32; cases named highest:...) (default: default)")
     pg.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     pg.add_argument("--timeout", type=float, default=900.0, help="seconds one case may take before it is failed "
@@ -284,7 +296,10 @@ def main(argv=None) -> int:
     try:
         registry.ops(getattr(args, "ops", None))
     except (KeyError, ValueError) as e:  # an unknown op name, a clash, a bad module path: no traceback
-        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        msg = str(e.args[0] if e.args else e)
+        if msg.startswith("jaxbwd: unknown op "):  # the one message that names no path: name the option
+            msg = "--ops: " + msg.removeprefix("jaxbwd: ")
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     from jaxbwd import config
 
@@ -350,14 +365,16 @@ def _bad_arguments(args):
 
 def _unplottable(path):
     """Why matplotlib cannot write a chart to ``path``, or None: checked before the benchmark,
-    not after it. The format is the extension's (none: matplotlib's default, PNG)."""
+    not after it. The format is the extension's, which must be there."""
     try:
         from matplotlib.figure import Figure  # not pyplot: no backend is chosen here
     except ImportError:
         return f"--plot {path}: needs matplotlib (pip install matplotlib)"
     formats = Figure().canvas.get_supported_filetypes()
     ext = os.path.splitext(path)[1][1:].lower()
-    if ext and ext not in formats:
+    if not ext:  # matplotlib would add ".png": a file other than the one named, maybe another output
+        return f"--plot {path}: name the format with an extension (.png, .svg, .pdf, ...)"
+    if ext not in formats:
         return f"--plot {path}: matplotlib cannot write '.{ext}' files; use one of: .{', .'.join(sorted(formats))}"
     return None
 

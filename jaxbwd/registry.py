@@ -972,7 +972,13 @@ def get(name: str) -> OpSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise KeyError(f"jaxbwd: unknown op {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+        import difflib
+
+        lower = {n.lower(): n for n in REGISTRY}
+        close = difflib.get_close_matches(name.lower(), list(lower), n=1)
+        hint = (f" (did you mean {lower[close[0]]!r}?)" if close else
+                " (a user op is named module:ATTR or path/file.py:ATTR)" if "/" in name or name.endswith(".py") else "")
+        raise KeyError(f"jaxbwd: unknown op {name!r}{hint}; known: {', '.join(sorted(REGISTRY))}") from None
 
 
 def ops(names: Optional[Sequence[str]] = None) -> list[OpSpec]:
@@ -999,8 +1005,10 @@ def load(path: str) -> list[str]:
     Raises:
       KeyError: the module or attribute cannot be found, or it holds no OpSpec.
       ValueError: the op's name is one of jaxbwd's own ops or of a user op loaded from
-        another attribute, two ops at ``path`` share a name, or one raised while importing
-        the module (its message, then the path).
+        another attribute, two ops at ``path`` share a name, the module has a syntax error or
+        calls ``sys.exit`` when imported, or raised ValueError while importing (its message,
+        then the path). Any other exception raised importing the module propagates, with a
+        note naming the path.
     """
     import importlib
     import importlib.util
@@ -1018,12 +1026,21 @@ def load(path: str) -> list[str]:
             module = importlib.import_module(mod_name)
     except ImportError as e:
         raise KeyError(f"jaxbwd: cannot import {mod_name!r} for --ops {path}: {e}") from None
+    except SyntaxError as e:
+        raise ValueError(f"jaxbwd: {mod_name!r} (--ops {path}) has a syntax error: {e}") from None
+    except SystemExit as e:  # else `check` would end silently with the module's status, 0 a pass
+        raise ValueError(f"jaxbwd: importing {mod_name!r} for --ops {path} called sys.exit({e.code!r})") from None
     except ValueError as e:  # shown as one line by the CLI: say where it came from
         raise ValueError(f"{e} (raised importing {mod_name!r} for --ops {path})") from e
+    except Exception as e:  # the user's own code failed: its traceback, with where it was loaded
+        e.add_note(f"(raised importing {mod_name!r} for --ops {path})")
+        raise
     if not hasattr(module, attr):
         raise KeyError(f"jaxbwd: {mod_name} has no attribute {attr!r} (--ops {path})")
     value = getattr(module, attr)
     specs = [value] if isinstance(value, OpSpec) else list(value) if isinstance(value, (list, tuple)) else []
+    if isinstance(value, (list, tuple)) and not value:
+        raise KeyError(f"jaxbwd: {path} is an empty {type(value).__name__}: it must hold at least one OpSpec")
     if not specs or not all(isinstance(s, OpSpec) for s in specs):
         raise KeyError(f"jaxbwd: {path} must be a jaxbwd.registry.OpSpec or a sequence of them, "
                        f"got {type(value).__name__}")

@@ -303,6 +303,66 @@ def test_a_bad_environment_variable_is_one_line(var, value, monkeypatch, capsys)
     assert err.startswith(f"error: jaxbwd: {var} must be") and err.endswith(f"got '{value}'")
 
 
+def test_ops_given_twice_takes_both_lists(capsys):
+    assert cli.main(["list", "--ops", "relu", "--ops", "gelu", "silu", "--wide"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:] if line[:1] != " "] == [
+        "relu", "gelu", "silu"]
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("RMS_NORM", " (did you mean 'rms_norm'?)"), ("rmsnorm", " (did you mean 'rms_norm'?)"),
+    ("examples/squared_relu.py", " (a user op is named module:ATTR or path/file.py:ATTR)"), ("zzz", ""),
+])
+def test_unknown_op_names_the_option_and_the_nearest_op(name, hint, monkeypatch, capsys):
+    _no_command(monkeypatch)
+    assert cli.main(["list", "--ops", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --ops: unknown op {name!r}{hint}; known: adaptive_avg_pool2d, ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("module, message", [
+    ("SPEC = []\n", "error: jaxbwd: {path} is an empty list: it must hold at least one OpSpec"),
+    ("import sys\nsys.exit(0)\n", "error: jaxbwd: importing '{file}' for --ops {path} called sys.exit(0)"),
+    ("def f(:\n", "error: jaxbwd: '{file}' (--ops {path}) has a syntax error: invalid syntax (user.py, line 1)"),
+], ids=["empty", "sys.exit", "syntax"])
+def test_a_user_module_that_cannot_give_ops_is_one_line(module, message, tmp_path, monkeypatch, capsys):
+    # sys.exit(0) at import ended `check` with status 0 and no output: a pass, nothing checked
+    _no_command(monkeypatch)
+    (tmp_path / "user.py").write_text(module)
+    path = f"{tmp_path / 'user.py'}:SPEC"
+    assert cli.main(["check", "--ops", path]) == 2
+    assert capsys.readouterr().err.strip() == message.format(path=path, file=tmp_path / "user.py")
+
+
+def test_a_user_module_that_raises_keeps_its_traceback_and_names_the_path(tmp_path):
+    (tmp_path / "boom.py").write_text('raise RuntimeError("boom")\n')
+    path = f"{tmp_path / 'boom.py'}:SPEC"
+    with pytest.raises(RuntimeError, match="boom") as e:
+        cli.main(["list", "--ops", path])
+    assert e.value.__notes__ == [f"(raised importing '{tmp_path / 'boom.py'}' for --ops {path})"]
+
+
+def test_compile_precision_that_applies_to_no_case_is_refused(monkeypatch, capsys):
+    from jaxbwd import deviceless
+
+    real = cli._compile  # up to the compiler check, which stops it
+    _no_command(monkeypatch)
+    monkeypatch.setattr(cli, "_compile", real)
+    monkeypatch.setattr(deviceless, "missing_requirements", lambda: ["(stops here)"])
+    assert cli.main(["compile", "--ops", "relu", "--precision", "highest"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --precision highest applies to the float32 cases of dot_product_attention, conv2d, "
+        "linear_cross_entropy (their dots): none among the ops and dtypes asked for (add default to compile them "
+        "at the default precision)\n")
+    assert cli.main(["compile", "--ops", "relu", "conv2d", "--dtype", "bf16", "--precision", "highest"]) == 2
+    assert "none among the ops and dtypes asked for" in capsys.readouterr().err
+    assert cli.main(["compile", "--ops", "relu", "conv2d", "--dtype", "f32", "--precision", "highest"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("note: --precision highest applies to the float32 cases of dot_product_attention, "
+                          "conv2d, linear_cross_entropy (their dots); the other 1 case compiles at the default "
+                          "precision\nerror: compiling for a GPU without one needs (stops here).")
+
+
 def test_an_op_named_twice_is_listed_once(capsys):
     assert [s.name for s in registry.ops(["rms_norm", "silu", "rms_norm"])] == ["rms_norm", "silu"]
     assert cli.main(["list", "--ops", "rms_norm", "rms_norm", "--wide"]) == 0
@@ -349,8 +409,13 @@ def test_plot_format_is_checked_before_the_benchmark(tmp_path, monkeypatch, caps
     assert err.count("\n") == 1
     assert err.startswith(f"error: --plot {tmp_path / 'chart.txt'}: matplotlib cannot write '.txt' files; "
                           "use one of: ") and ".png" in err and ".svg" in err
-    for ok in ("chart.png", "chart.SVG", "chart.pdf", "chart"):  # no extension: matplotlib's PNG
+    for ok in ("chart.png", "chart.SVG", "chart.pdf"):
         assert cli._bad_arguments(argparse.Namespace(cmd="bench", plot=str(tmp_path / ok))) is None, ok
+    # no extension: matplotlib would write chart.png, another file than the one named (and
+    # perhaps the --json report's)
+    assert cli.main(["bench", "--ops", "silu", "--json", str(tmp_path / "chart.png"), "--plot", str(tmp_path / "chart")]) == 2
+    assert capsys.readouterr().err == (f"error: --plot {tmp_path / 'chart'}: name the format with an extension "
+                                       "(.png, .svg, .pdf, ...)\n")
     assert not list(tmp_path.iterdir())  # the probe wrote nothing
 
 
