@@ -4,8 +4,9 @@ Every op declares its reverse rule as a ``jax.custom_vjp`` fwd/bwd pair: the for
 saves small residuals (row statistics, logsumexp) and the backward runs a Pallas kernel
 (Triton backend) on GPU, or the same formula in XLA elsewhere. On jax >= 0.12 each op is
 one primitive that also carries a tangent rule (``jaxbwd/vjp/_derivatives.py``), so
-forward mode and second order work too. Choose per call with ``implementation=None|"pallas"|"xla"``
-or globally with :mod:`jaxbwd.config`.
+forward mode and second order work too. Choose per call with ``implementation=None|"auto"|"pallas"|"xla"``
+(``"pallas:triton"``/``"pallas:mosaic"`` name the Pallas backend) or globally with
+:mod:`jaxbwd.config`, which takes the same values.
 
 Errors common to every op (each op's docstring lists its own; all name the op and are
 raised while tracing):

@@ -145,7 +145,7 @@ def _compile(args) -> int:
         return 2
     if None not in precisions:  # only other precisions asked for: say where they do not apply
         at_default = sum(c.precision is None for c in cases)
-        applies = (f"--precision {args.precision} applies to the float32 cases of "
+        applies = (f"--precision {','.join(precisions)} applies to the float32 cases of "
                    f"{', '.join(deviceless.MATMUL_OPS)} (their dots)")
         if at_default == len(cases):
             print(f"error: {applies}: none among the ops and dtypes asked for (add default to compile "
@@ -215,6 +215,15 @@ def _compile(args) -> int:
     return 1 if report["failures"] or missing_k else 0
 
 
+class _Ops(argparse.Action):
+    """``--ops NAME ...``: given twice, both lists; given once with no name (an empty variable,
+    or a flag right after it), an error in :func:`main` rather than every op."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.ops_empty = getattr(namespace, "ops_empty", False) or not values
+        setattr(namespace, self.dest, list(getattr(namespace, self.dest, None) or []) + list(values))
+
+
 def main(argv=None) -> int:
     """Entry point of ``python -m jaxbwd`` and the ``jaxbwd`` script."""
     p = argparse.ArgumentParser(prog="python -m jaxbwd", description="jaxbwd: JAX ops with Pallas backward kernels")
@@ -224,16 +233,16 @@ def main(argv=None) -> int:
     wide_help = "one line per row, however wide (default: wrap to 120 columns)"
     text = "print the op registry as a table"
     pl = sub.add_parser("list", help=text, description=text)
-    pl.add_argument("--ops", nargs="*", action="extend", help=ops_help)
+    pl.add_argument("--ops", nargs="*", action=_Ops, help=ops_help)
     pl.add_argument("--wide", action="store_true", help=wide_help)
     text = ("gradient check of each op against autodiff of its reference (2-3 minutes on 2 CPU cores, where "
             "the Pallas kernels run in interpret mode)")
     pc = sub.add_parser("check", help=text, description=text)
-    pc.add_argument("--ops", nargs="*", action="extend", help=ops_help)
+    pc.add_argument("--ops", nargs="*", action=_Ops, help=ops_help)
     pc.add_argument("--wide", action="store_true", help=wide_help)
     text = "time fwd+bwd vs XLA autodiff of the library call each op replaces; residual and temp memory"
     pb = sub.add_parser("bench", help=text, description=text)
-    pb.add_argument("--ops", nargs="*", action="extend", help=ops_help)
+    pb.add_argument("--ops", nargs="*", action=_Ops, help=ops_help)
     pb.add_argument("--size", choices=["small", "llm"], default=None,
                     help="input shapes: small (test-sized, float32; the default on CPU) or llm (realistic "
                          "training shapes, mostly bf16; the default on GPU, slow on CPU)")
@@ -254,7 +263,7 @@ def main(argv=None) -> int:
                     "GPU compiler (deviceless, on this CPU machine) and reads registers, spills, shared memory, "
                     "occupancy, tensor-core instructions and bytes from the compiled kernels. "
                     "Needs: pip install -e \".[compile]\" (Python >= 3.12).")
-    pg.add_argument("--ops", nargs="*", action="extend", help="op names, space-separated (default: every op with Pallas kernels), "
+    pg.add_argument("--ops", nargs="*", action=_Ops, help="op names, space-separated (default: every op with Pallas kernels), "
                                              "or user ops as module:ATTR or path/file.py:ATTR")
     pg.add_argument("--gpu", default="h200",
                     help="target GPU(s), comma-separated: h200, h100 (sm_90), a100 (sm_80), b200 (sm_100) "
@@ -273,7 +282,7 @@ def main(argv=None) -> int:
     pg.add_argument("--wide", action="store_true", help=wide_help)
     pg.add_argument("--baseline", metavar="PATH", help="a JSON report of an earlier run: print each kernel's figures as before -> after")
     args = p.parse_args(argv)
-    if args.ops == []:  # `--ops $EMPTY` or `--ops --dtype bf16`: not "every op" (omit the flag for that)
+    if getattr(args, "ops_empty", False):  # `--ops $EMPTY` or `--ops --dtype bf16`: not "every op" (omit the flag for that)
         print("error: --ops needs at least one op name (omit --ops for every op)", file=sys.stderr)
         return 2
     if args.cmd in ("list", "compile"):
@@ -296,6 +305,8 @@ def main(argv=None) -> int:
     try:
         registry.ops(getattr(args, "ops", None))
     except (KeyError, ValueError) as e:  # an unknown op name, a clash, a bad module path: no traceback
+        if getattr(e, "__notes__", None):  # raised by the user's module itself (registry.load): its traceback
+            raise
         msg = str(e.args[0] if e.args else e)
         if msg.startswith("jaxbwd: unknown op "):  # the one message that names no path: name the option
             msg = "--ops: " + msg.removeprefix("jaxbwd: ")

@@ -247,8 +247,7 @@ def unavailable(implementation: Optional[str] = None, mode: str = "vjp") -> Opti
     kernels. Forward mode (``"jvp"``) needs jax >= 0.12."""
     from jaxbwd.vjp._derivatives import FORWARD_MODE
 
-    impl = implementation or config.default_implementation()
-    if impl == "pallas" and jax.default_backend() != "gpu":
+    if config.resolve(implementation, "bench") == "pallas" and jax.default_backend() != "gpu":
         return (f"jaxbwd bench: the Pallas kernels are timed on a GPU only (this backend: {jax.default_backend()}; "
                 "interpret mode would time the interpreter); use --implementation xla here, or "
                 "`python -m jaxbwd check` to test the kernels in interpret mode")
@@ -285,7 +284,8 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
     if no_jvp:
         raise ValueError(f"jaxbwd bench: mode 'jvp' needs forward mode, which {', '.join(no_jvp)} "
                          "does not have (a fwd rule and no tangent rule); leave it out or give it a tangent")
-    impl = implementation or config.default_implementation()
+    kind = config.resolve(implementation, "bench")  # "pallas:<backend>" named is passed on as named
+    impl = implementation if kind == "pallas" and implementation not in (None, "auto") else kind
     copy = copy_bandwidth()
     rows = []
     for spec in specs:

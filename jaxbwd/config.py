@@ -190,7 +190,7 @@ def _merged(cur: _Settings, implementation, interpret, pallas_backend=_UNSET, cu
         implementation, named = _split(implementation, where)
     if pallas_backend is not _UNSET:
         if pallas_backend is None or pallas_backend == "auto":  # as JAXBWD_PALLAS_BACKEND=auto
-            pallas_backend = "triton"
+            pallas_backend = named or "triton"
         _check_backend(pallas_backend, where)
         if named and named != pallas_backend:
             raise ValueError(f"jaxbwd.{where}: implementation 'pallas:{named}' and pallas_backend "

@@ -1027,9 +1027,10 @@ def load(path: str) -> list[str]:
     except ImportError as e:
         raise KeyError(f"jaxbwd: cannot import {mod_name!r} for --ops {path}: {e}") from None
     except SyntaxError as e:
-        raise ValueError(f"jaxbwd: {mod_name!r} (--ops {path}) has a syntax error: {e}") from None
+        raise ValueError(f"jaxbwd: importing {mod_name!r} for --ops {path}: syntax error: {e}") from None
     except SystemExit as e:  # else `check` would end silently with the module's status, 0 a pass
-        raise ValueError(f"jaxbwd: importing {mod_name!r} for --ops {path} called sys.exit({e.code!r})") from None
+        code = "" if e.code is None else repr(e.code)
+        raise ValueError(f"jaxbwd: importing {mod_name!r} for --ops {path} called sys.exit({code})") from None
     except ValueError as e:  # shown as one line by the CLI: say where it came from
         raise ValueError(f"{e} (raised importing {mod_name!r} for --ops {path})") from e
     except Exception as e:  # the user's own code failed: its traceback, with where it was loaded

@@ -55,6 +55,15 @@ def test_bench_pallas_without_gpu_is_one_line_and_exit_2(capsys):
         bench.run(["silu"], implementation="pallas")
 
 
+def test_bench_refuses_pallas_on_cpu_however_it_is_named():
+    from jaxbwd import bench, config
+
+    with config.use(implementation="pallas"):
+        for name in (None, "auto", "pallas", "pallas:triton"):
+            assert "timed on a GPU only" in bench.unavailable(name), name
+    assert bench.unavailable("auto") is None and bench.unavailable("xla") is None
+
+
 def test_check_reports_progress_and_names_forward_and_grad_rows(capsys):
     assert cli.main(["check", "--ops", "silu", "rms_norm"]) == 0
     out, err = capsys.readouterr()
@@ -323,7 +332,7 @@ def test_unknown_op_names_the_option_and_the_nearest_op(name, hint, monkeypatch,
 @pytest.mark.parametrize("module, message", [
     ("SPEC = []\n", "error: jaxbwd: {path} is an empty list: it must hold at least one OpSpec"),
     ("import sys\nsys.exit(0)\n", "error: jaxbwd: importing '{file}' for --ops {path} called sys.exit(0)"),
-    ("def f(:\n", "error: jaxbwd: '{file}' (--ops {path}) has a syntax error: invalid syntax (user.py, line 1)"),
+    ("def f(:\n", "error: jaxbwd: importing '{file}' for --ops {path}: syntax error: invalid syntax (user.py, line 1)"),
 ], ids=["empty", "sys.exit", "syntax"])
 def test_a_user_module_that_cannot_give_ops_is_one_line(module, message, tmp_path, monkeypatch, capsys):
     # sys.exit(0) at import ended `check` with status 0 and no output: a pass, nothing checked
@@ -334,10 +343,12 @@ def test_a_user_module_that_cannot_give_ops_is_one_line(module, message, tmp_pat
     assert capsys.readouterr().err.strip() == message.format(path=path, file=tmp_path / "user.py")
 
 
-def test_a_user_module_that_raises_keeps_its_traceback_and_names_the_path(tmp_path):
-    (tmp_path / "boom.py").write_text('raise RuntimeError("boom")\n')
+@pytest.mark.parametrize("raises, error", [('raise RuntimeError("boom")', RuntimeError), ('{}["boom"]', KeyError)])
+def test_a_user_module_that_raises_keeps_its_traceback_and_names_the_path(raises, error, tmp_path):
+    # a KeyError of the user's own code too, which the CLI would otherwise print as one of its own
+    (tmp_path / "boom.py").write_text(raises + "\n")
     path = f"{tmp_path / 'boom.py'}:SPEC"
-    with pytest.raises(RuntimeError, match="boom") as e:
+    with pytest.raises(error, match="boom") as e:
         cli.main(["list", "--ops", path])
     assert e.value.__notes__ == [f"(raised importing '{tmp_path / 'boom.py'}' for --ops {path})"]
 
@@ -380,8 +391,9 @@ def _no_command(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["list", "--ops"], ["check", "--ops"], ["bench", "--ops"], ["compile", "--ops"],
-                                  ["compile", "--ops", "--dtype", "bf16"]],
-                         ids=["list", "check", "bench", "compile", "compile-flag-after"])
+                                  ["compile", "--ops", "--dtype", "bf16"], ["list", "--ops", "relu", "--ops"],
+                                  ["list", "--ops", "--ops", "relu"]],
+                         ids=["list", "check", "bench", "compile", "compile-flag-after", "second-empty", "first-empty"])
 def test_empty_ops_is_an_error_not_every_op(argv, monkeypatch, capsys):
     """`--ops $EMPTY` (or a flag right after --ops) used to select every op: for compile, the
     whole sweep."""

@@ -59,6 +59,9 @@ def test_one_implementation_vocabulary_everywhere():
             assert (config.default_implementation(), config.pallas_backend()) == ("xla", "mosaic")
     with config.use(implementation="pallas:triton", pallas_backend="triton"):
         assert config.pallas_backend() == "triton"
+    for unset in (None, "auto"):  # no backend named: the implementation's, as JAXBWD_PALLAS_BACKEND=auto
+        with config.use(implementation="pallas:mosaic", pallas_backend=unset):
+            assert config.pallas_backend() == "mosaic"
     with pytest.raises(ValueError, match=r"^jaxbwd.config.use: implementation 'pallas:mosaic' and pallas_backend "
                                          r"'triton' name different Pallas backends$"):
         with config.use(implementation="pallas:mosaic", pallas_backend="triton"):

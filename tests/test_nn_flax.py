@@ -730,6 +730,22 @@ def test_modules_check_implementation_when_built():
     with pytest.raises(ValueError, match=r"jaxbwd.nn.MultiHeadDotProductAttention: implementation must be"):
         jnn.MultiHeadDotProductAttention(num_heads=2, implementation="cuda")
     jnn.MultiHeadDotProductAttention(num_heads=2, implementation="pallas:mosaic")  # config.use takes it too
+    # "auto" is the settings' default, as None: a block's choice reaches the attention_fn
+    seen = []
+
+    def spy(fn):
+        def attn(*args, **kwargs):
+            seen.append(jaxbwd.config.default_implementation())
+            return fn(*args, **kwargs)
+        return attn
+
+    for impl in (None, "auto"):
+        with jaxbwd.config.use(implementation="pallas"):
+            jnn.MultiHeadDotProductAttention(num_heads=2, implementation=impl, attention_fn=spy(jnn.dot_product_attention)
+                                             ).init(jax.random.PRNGKey(0), x)
+            jnnx.MultiHeadAttention(2, 4, attention_fn=spy(jnnx.dot_product_attention), implementation=impl,
+                                    decode=False, rngs=nnx.Rngs(0))(x)
+    assert seen == ["pallas"] * 4, seen
     with pytest.raises(ValueError, match=r"jaxbwd.nn.nnx.LayerNorm: implementation must be"):
         jnnx.LayerNorm(4, implementation="cuda", rngs=nnx.Rngs(0))
     jnn.LayerNorm(implementation="pallas:triton").init(jax.random.PRNGKey(0), x)  # an op's per-call form

@@ -3,8 +3,8 @@
 ``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dropout``, ``Dense``, ``Embed`` and ``Conv`` subclass flax's
 own modules of the same name: every flax argument, in flax's positional order, with flax's
 defaults, parameter names, initialisers and dtype promotion (``dtype``, ``param_dtype``,
-``promote_dtype``). Each adds ``implementation`` (``None``, ``"pallas"``, ``"xla"``), passed
-to each op it calls. A configuration jaxbwd's ops cover (see each class) runs on them; any
+``promote_dtype``). Each adds ``implementation`` (``None``, ``"auto"``, ``"pallas"``, ``"xla"``,
+``"pallas:triton"``, ``"pallas:mosaic"``: see :mod:`jaxbwd.config`), passed to each op it calls. A configuration jaxbwd's ops cover (see each class) runs on them; any
 other runs flax's own ``__call__``, so the result is flax's: no argument is ignored.
 """
 from __future__ import annotations

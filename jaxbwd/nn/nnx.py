@@ -3,7 +3,8 @@
 ``RMSNorm``, ``LayerNorm``, ``GroupNorm``, ``BatchNorm``, ``Dropout``, ``Linear``, ``Embed`` and ``Conv`` subclass the
 flax NNX module of the same name and take its constructor unchanged (positional order,
 defaults, initialisers, metadata, ``dtype``/``param_dtype``/``promote_dtype``), plus
-``implementation=None|"pallas"|"xla"``: parameters are flax's own, so NNX state moves
+``implementation`` (None, ``"auto"``, ``"pallas"``, ``"xla"``, ``"pallas:triton"``,
+``"pallas:mosaic"``: see :mod:`jaxbwd.config`): parameters are flax's own, so NNX state moves
 across unchanged. ``__call__`` runs jaxbwd's ops on flax's promoted operands where they
 cover the configuration (see each class, and :mod:`jaxbwd.nn.linen` for the same rules),
 and flax's own ``__call__`` otherwise: no argument is ignored.
