@@ -111,13 +111,13 @@ def test_dkdv_keys_first(case, monkeypatch):
                                                      (4, 64, True, "float32"), (4, 40, False, "bfloat16")])
 def test_head_split_between_programs(split, H, keys_first, dtype):
     # The head dim split into column parts on the grid's last axis (the table's head_split,
-    # f32 forward and dq at head_dim 256 on sm_90/sm_100), each part recomputing S from all
-    # parts: GQA, causal + window + softcap with tails, segment ids; H = 48 leaves the second
-    # part's last columns as padding, H = 40 in four parts all of the last part (a program
-    # that stores nothing). Each program writes its own columns only (one part the lse),
-    # and no load or store leaves its operand.
+    # f32 forward and dq at head_dim 256 on sm_90/sm_100, the tangent pass on sm_100), each
+    # part recomputing S (and dS) from all parts: GQA, causal + window + softcap with tails,
+    # segment ids; H = 48 leaves the second part's last columns as padding, H = 40 in four
+    # parts all of the last part (a program that stores nothing). Each program writes its own
+    # columns only (one part the lse), and no load or store leaves its operand.
     parts = {"head_split": split}
-    over = {_tuning.arch(): {"attention_fwd": parts, "attention_bwd_dq": parts,
+    over = {_tuning.arch(): {"attention_fwd": parts, "attention_bwd_dq": parts, "attention_jvp": parts,
                              "attention_bwd_dkdv": {**parts, "keys_first": keys_first}}}
     kw = dict(is_causal=True, sliding_window=20, logit_softcap=30.0)
     with _tuning.use(over):
@@ -135,16 +135,37 @@ def test_head_split_between_programs(split, H, keys_first, dtype):
     assert {w.kernel: w.grid[2:] for w in writes} == {k: (split,) for k in KERNELS}
     races = [w for w in writes if w.racy]
     assert not races, races
+    if not FORWARD_MODE:
+        return  # jax < 0.12: no tangent pass
+    tangents = _inputs(1, 20, 20, 2, 1, H, dtype, seed=1)[:3]
+    jvp = lambda *a: jax.jvp(f, a[:3], a[3:])
+    f32 = lambda x: x.astype(jnp.float32)
+    g = lambda q, k, v: ref.dot_product_attention(q, k, v, **kw)
+    _, want = jax.jvp(g, tuple(map(f32, (q, k, v))), tuple(map(f32, tangents)))
+    checked = set()
+    with _tuning.use(over), PA.block_sizes(8, 8):
+        _close(jax.jit(jvp)(q, k, v, *tangents)[1], want, TOL[dtype])
+        with testing.record_program_writes() as writes:
+            jax.block_until_ready(jvp(q, k, v, *tangents))
+        with testing.record_out_of_bounds(checked) as oob:
+            jax.block_until_ready(jvp(q, k, v, *tangents))
+    assert not oob and checked == {"attention_fwd", "attention_jvp"}, (oob, checked)
+    assert {w.kernel: w.grid[2:] for w in writes} == {"attention_fwd": (split,), "attention_jvp": (split,)}
+    races = [w for w in writes if w.racy]
+    assert not races, races
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", KERNELS + ("attention_jvp",))
 def test_head_split_must_leave_parts_of_16_columns(kernel):
     over = {_tuning.arch(): {kernel: {"head_split": 8}}}
     q = jnp.zeros((1, 16, 2, 64), jnp.float32)
     f = lambda q: dot_product_attention(q, q, q, implementation="pallas").sum()
+    if kernel == "attention_jvp" and not FORWARD_MODE:
+        pytest.skip("jax < 0.12: no forward mode, no tangent pass")
+    run = (lambda: jax.jvp(f, (q,), (q,))) if kernel == "attention_jvp" else (lambda: jax.grad(f)(q))
     with _tuning.use(over), pytest.raises(ValueError, match=f"^{kernel}: head_split 8 must divide the padded "
                                           "head dim 64 into parts of at least 16 columns"):
-        jax.grad(f)(q)
+        run()
 
 
 def test_segment_block_bounds_skip_other_documents():
@@ -244,15 +265,16 @@ def test_head_dims_multi_block_unmasked_and_diagonal(H, blocks):
     (64, "bfloat16", "sm_80", None),
     (256, "float32", "sm_80", None), (128, "float32", "sm_90", "highest"), (256, "float32", "sm_80", "highest"),
     (64, "float32", "sm_80", "highest"), (64, "float32", "sm_90", "highest"), (80, "float32", "sm_100", None),
-    (256, "bfloat16", "sm_100", None),
+    (256, "bfloat16", "sm_100", None), (256, "float32", "sm_100", None),
     (80, "float32", "sm_100", "highest"), (64, "float32", "sm_100", "highest")])
 def test_tuning_tables_own_tiles(H, dtype, arch, precision, monkeypatch):
     # The table's own tiles for one architecture (interpret mode: no block override), which
     # differ per kernel and between the two sides of dk/dv (e.g. 16 query x 64 key rows in
     # f32, 128 x 32 in the f32 forward and dq; S^T = K Q^T in f32 dk/dv at head dims 64
-    # and 256 on sm_90, and 256 on sm_80, and in 16-bit dk/dv at 256 on sm_100; under
-    # "highest", the 3xTF32 tiles): a window and softcap over several blocks with ragged
-    # tails, forward, grads and jvp.
+    # and 256 on sm_90, and 256 on sm_80, and in 16-bit dk/dv at 256 on sm_100; the head dim
+    # split between programs in f32 at 256, in two (forward, dq) and, on sm_100, in four (the
+    # tangent pass); under "highest", the 3xTF32 tiles): a window and softcap over several
+    # blocks with ragged tails, forward, grads and jvp.
     monkeypatch.setattr(_tuning, "arch", lambda: arch)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         _check_window_softcap_tangent(H, dtype)

@@ -151,8 +151,8 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         # A field the kernel there does not read would be ignored: refused, naming what it reads.
         ({"sm_90": {key: {"keys_first": True}}}, ValueError,
          r"keys_first not read by the kernel there \(it reads block_m, block_n, head_split, num_stages, num_warps\)"),
-        ({"sm_90": {"attention_jvp": {"head_split": 2}}}, ValueError,
-         r"head_split not read by the kernel there \(it reads block_m, block_n, num_stages, num_warps\)"),
+        ({"sm_90": {"attention_jvp": {"keys_first": True}}}, ValueError,
+         r"keys_first not read by the kernel there \(it reads block_m, block_n, head_split, num_stages, num_warps\)"),
         ({"sm_90": {key: {"head_split": 3}}}, ValueError, r"head_split must be a power of two, got 3"),
         ({"sm_90": {"attention_fwd": {"block_k": 32}}}, ValueError, r"block_k not read by the kernel there"),
         ({"sm_90": {"norm_bwd/rms": {"block_n": 2048}}}, ValueError,

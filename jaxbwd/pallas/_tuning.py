@@ -49,7 +49,7 @@ class Config:
     Triton's; ``blocks_per_sm``: resident blocks per SM of the compiled kernel;
     ``keys_first`` (attention dk/dv only): the score tile is computed transposed,
     S^T = K Q^T, so that the key block is the M dimension of all four of its dots;
-    ``head_split`` (attention forward, dk/dv and dq): the grid's last axis splits the
+    ``head_split`` (attention forward, dk/dv, dq and the tangent pass): the grid's last axis splits the
     head dim of the kernel's accumulator and results into that many column parts, each
     program recomputing the whole score tile (see ``attention._parts``).
     """
@@ -243,7 +243,9 @@ TABLE: dict[str, dict[str, Config]] = {
         # replica, 251 registers, no spills (16 x 32 on mma.sync before, 170 registers, 2
         # blocks per SM; chosen from the compiled figures, not timed); f32 16 x 16 on 4
         # warps, 197 registers, no spills, 2 blocks per SM (40 B at 8 warps and 1 stage;
-        # every 64-row wgmma tile in f32 spilled 504-4088 B).
+        # every 64-row wgmma tile in f32 spilled 504-4088 B; with the head dim in four parts
+        # (head_split) 64 x 16 on 4 warps compiles without spills, on wgmma, but issues 583
+        # main-loop instructions per unique S element against 487, for 2.8x the MMA work).
         "attention_jvp/h256/16bit": _(64, 16, num_warps=4, num_stages=2),
         "attention_jvp/h256/f32": _(16, 16, num_warps=4, num_stages=2),
         # conv2d: dgrad M = input pixels, N = input channels, K = (tap, output channel);
@@ -344,10 +346,17 @@ TABLE["sm_100"] = {
     # 32 x 64 ran S and dP on mma.sync): 255 registers, no spills, 59.5 -> 37.7 per S element.
     "attention_bwd_dkdv/h256/16bit": _(64, 64, num_warps=8, num_stages=1, keys_first=True),
     # The 16-bit tangent pass at head_dim 256: 64 x 16 on 4 warps spilled 40 B; 64 x 32 on 8
-    # warps: 180 registers, no spills. (f32 dk/dv and tangent pass at head_dim 256 stay on
-    # sm_90's mma.sync tiles: every tcgen05 tile asked for 576-816 of the 512 tensor-memory
-    # columns, or spilled.)
+    # warps: 180 registers, no spills. (f32 dk/dv at head_dim 256 stays on sm_90's mma.sync
+    # tiles: every tcgen05 tile asked for 576-816 of the 512 tensor-memory columns, or
+    # spilled.)
     "attention_jvp/h256/16bit": _(64, 32, num_warps=8, num_stages=2),
+    # The f32 tangent pass at head_dim 256, the head dim split in four: 64 x 16 on 8 warps, one
+    # stage, tcgen05, 248 registers, no spills, 472.5 -> 346.0 main-loop instructions per unique
+    # S element (all four parts counted; sm_90's 16 x 16 mma.sync tile before, 197 registers).
+    # 2.8x the MMA work (each part recomputes S and dS). In two parts: 48 B of spills; 4 warps:
+    # 808 B. On sm_90 the only tile without spills, 64 x 16 on 4 warps in four parts, issues
+    # 583 against 487: sm_90 keeps mma.sync.
+    "attention_jvp/h256/f32": _(64, 16, num_warps=8, num_stages=1, head_split=4),
     # f32 dq at head_dim 256, head dim split in two as on sm_90: sm_90's 64 x 16 on 4 warps
     # spilled 992 B, its two stages asked for 576 tensor-memory columns; 64 x 16 on 8 warps,
     # one stage: tcgen05, 252 registers, no spills, 248.8 -> 152.5 main-loop instructions per
@@ -550,7 +559,7 @@ def fields(key: str) -> frozenset[str]:
     launch = {"num_warps", "num_stages"}
     if kernel.startswith("attention_"):
         out = launch | {"block_m", "block_n"} | ({"keys_first"} if kernel == "attention_bwd_dkdv" else set())
-        out |= set() if kernel == "attention_jvp" else {"head_split"}
+        out |= {"head_split"}
     elif kernel.startswith("linear_cross_entropy_"):  # dx's grid is not sized by occupancy
         out = launch | {"block_m", "block_n", "block_k"} | (
             set() if kernel == "linear_cross_entropy_bwd_dx" else {"blocks_per_sm"})

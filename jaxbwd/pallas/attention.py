@@ -20,9 +20,10 @@ split into two kernels so that nothing is accumulated with atomics):
 - ``attention_bwd_dq``: one program per (query block, b*N + n), ``dQ += dS K``.
 
 Where the tuning table gives a kernel a ``head_split`` (f32 forward and dq at head_dim 256
-on sm_90/sm_100), the grid has a last axis over that many column parts of the head dim:
-each program keeps only its part's columns of the accumulator and writes only those, and
-recomputes the score tile (and the backward the dP tile) from all parts (``_parts``).
+on sm_90/sm_100, the tangent pass there on sm_100), the grid has a last axis over that many
+column parts of the head dim: each program keeps only its part's columns of the accumulator
+and writes only those, and recomputes the score tile (dq also the dP tile, the tangent pass
+the dS tile) from all parts (``_parts``).
 
 with ``dS = P * (dO V^T - delta)`` times ``1 - tanh^2`` under a logit softcap (Gemma 2).
 Exponentials are ``exp2`` of base-2 logits, ``log2(e)`` folded into the scale (see
@@ -537,15 +538,16 @@ def attention_bwd(q2, k2, v2, qseg, kseg, o2, lse, do2, d: Dims, *, interpret: b
 
 
 # ------------------------------------------------------------------------ forward mode
-def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
+def _jvp_kernel(*refs, d: Dims, bq: int, bk: int, split: int):
     if d.segments:
         q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, qs_ref, ks_ref, bnd_ref, do_ref = refs
     else:
         (q_ref, k_ref, v_ref, o_ref, lse_ref, dq_ref, dk_ref, dv_ref, do_ref), qs_ref, ks_ref, bnd_ref = (
             refs, None, None, None)
     i, bh, b, n, kvh, rows, rmask = _query_block(d, bq)
-    o_idx, o_mask, q = _tile(q_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
-    _, _, dq = _tile(dq_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    w, offs = _parts(d, split)
+    o_idx, o_mask, q = _tiles(q_ref, b, d.T, rows, n, d, rmask, w, offs)
+    _, _, dq = _tiles(dq_ref, b, d.T, rows, n, d, rmask, w, offs)
     lse = C.load(lse_ref, (bh, rows), rmask)
     qs, _ = _segs(d, qs_ref, ks_ref, b, rows, rmask, None, None)
 
@@ -553,14 +555,16 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
         acc, rs = carry
         cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
         cmask = cols < d.S
-        _, _, k = _tile(k_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, _, dk = _tile(dk_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
-        _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, d.Hp, cmask)
+        # v and dv enter only the accumulator: this program's part alone (the loads in the
+        # order of the unsplit kernel's, which compiles as before with head_split 1)
+        _, _, k = _tiles(k_ref, b, d.S, cols, kvh, d, cmask, w, offs)
+        _, _, v = _tile(v_ref, b, d.S, cols, kvh, d.H, w, cmask, offs[0])
+        _, _, dk = _tiles(dk_ref, b, d.S, cols, kvh, d, cmask, w, offs)
+        _, _, dv = _tile(dv_ref, b, d.S, cols, kvh, d.H, w, cmask, offs[0])
         _, ks = _segs(d, qs_ref, ks_ref, b, None, None, cols, cmask)
-        s, dt = _logits(d, (q,), (k,))  # base 2, as lse * log2(e)
+        s, dt = _logits(d, q, k)  # base 2, as lse * log2(e)
         p = jnp.where(_mask(d, rows, cols, qs, ks), C.exp2(s - (lse * C.LOG2E)[:, None]), 0.0)
-        ds = (C.dot(dq, k, trans_b=True) + C.dot(q, dk, trans_b=True)) * d.scale
+        ds = (_dot_parts(dq, k) + _dot_parts(q, dk)) * d.scale
         if dt is not None:
             ds = ds * dt
         pds = p * ds
@@ -568,9 +572,9 @@ def _jvp_kernel(*refs, d: Dims, bq: int, bk: int):
         return acc, rs + jnp.sum(pds, axis=1)
 
     lo, hi = _seg_range(d, bnd_ref, b, i, C.cdiv(d.T, bq), *_kv_range(d, i * bq, bq, bk))
-    init = (jnp.zeros((bq, d.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
+    init = (jnp.zeros((bq, w), jnp.float32), jnp.zeros((bq,), jnp.float32))
     acc, rs = lax.fori_loop(lo, hi, body, init)
-    _, _, o = _tile(o_ref, b, d.T, rows, n, d.H, d.Hp, rmask)
+    _, _, o = _tile(o_ref, b, d.T, rows, n, d.H, w, rmask, offs[0])
     C.store(do_ref, o_idx, acc - rs[:, None] * o.astype(jnp.float32), o_mask)
 
 
@@ -592,10 +596,13 @@ def attention_jvp(q2, k2, v2, qseg, kseg, o2, lse, dq2, dk2, dv2, d: Dims, *, in
     bq, bk, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     segs = (qseg, kseg, segment_block_bounds(qseg, kseg, bq, bk)) if d.segments else ()
     inputs = (q2, k2, v2, o2, lse, dq2, dk2, dv2) + segs
+    split = _check_split(d, cfg.head_split, "attention_jvp")
+    # 5 units of _flops(d) / 2: S, dq k^T, q dk^T (each part recomputes them), P dV, (P*dS) V
     return C.call(
-        functools.partial(_jvp_kernel, d=d, bq=bq, bk=bk), name="attention_jvp",
-        grid=(C.cdiv(d.T, bq), d.B * d.N), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
-        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=2 * _flops(d),
-        transcendentals=d.B * d.N * d.T * d.S // (2 if d.causal else 1),
-        bytes_accessed=C.nbytes(*inputs) + C.nbytes(q2),
+        functools.partial(_jvp_kernel, d=d, bq=bq, bk=bk, split=split), name="attention_jvp",
+        grid=_split_grid((C.cdiv(d.T, bq), d.B * d.N), split), out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
+        interpret=interpret, num_warps=nw, num_stages=cfg.num_stages, flops=(3 * split + 2) * _flops(d) // 2,
+        transcendentals=split * d.B * d.N * d.T * d.S // (2 if d.causal else 1),
+        bytes_accessed=split * C.nbytes(q2, k2, lse, dq2, dk2, *segs) + C.nbytes(o2, v2, dv2) + C.nbytes(q2),
+        metadata=_s_meta(bq, bk, split),
     )(*inputs)
