@@ -285,7 +285,7 @@ def run(ops: Optional[Sequence[str]] = None, size: Optional[str] = None, impleme
         raise ValueError(f"jaxbwd bench: mode 'jvp' needs forward mode, which {', '.join(no_jvp)} "
                          "does not have (a fwd rule and no tangent rule); leave it out or give it a tangent")
     kind = config.resolve(implementation, "bench")  # "pallas:<backend>" named is passed on as named
-    impl = implementation if kind == "pallas" and implementation not in (None, "auto") else kind
+    impl = implementation if kind == "pallas" and config.named(implementation) else kind
     copy = copy_bandwidth()
     rows = []
     for spec in specs:

@@ -152,6 +152,13 @@ def _current() -> _Settings:
     return s if s is not None else _process_default()
 
 
+def named(implementation: Optional[str]) -> bool:
+    """Whether ``implementation`` names one (``"pallas"``, ``"xla"``, ``"pallas:<backend>"``)
+    rather than deferring to the settings (None or ``"auto"``): a bool. Where an input has no
+    kernel, a named Pallas implementation is an error and the default falls back to XLA."""
+    return implementation is not None and implementation != "auto"
+
+
 def check_implementation(implementation: Optional[str], where: str) -> None:
     """Checks an ``implementation`` value where it is given rather than where it is first used
     (the modules in :mod:`jaxbwd.nn` check theirs when built).

@@ -301,7 +301,7 @@ def attention_implementation(impl: Optional[str]):
     ``attention_fn`` passes it to the op per call (so that "pallas" with float64 inputs is
     the op's TypeError, as in every other module), and :func:`jaxbwd.config.use` makes it the
     default for a user's ``attention_fn`` that calls jaxbwd's ops itself."""
-    if impl in (None, "auto"):  # the settings' default: nothing to pass on
+    if not jaxbwd.config.named(impl):  # the settings' default: nothing to pass on
         yield
         return
     token = _ATTENTION_IMPL.set(impl)

@@ -59,7 +59,7 @@ def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool 
       TypeError: ``implementation="pallas"`` (or ``"pallas:<backend>"``) with a float64 input.
     """
     kind = config.resolve(implementation, op)
-    if implementation == "auto":  # the default, as None: nothing asked for by name
+    if not config.named(implementation):  # "auto" as None in the messages below
         implementation = None
     arrays = [a for a in arrays if a is not None]  # optional operands (a bias, weights)
     symbolic = next((a for a in arrays if not is_static_shape(getattr(a, "shape", ()))), None)

@@ -21,7 +21,7 @@ import numpy as np
 from jaxbwd.pallas import attention as kernels
 from jaxbwd.vjp import _base as B
 from jaxbwd.vjp._derivatives import custom_op
-from jaxbwd import sharding as S
+from jaxbwd import config, sharding as S
 from jaxbwd.sharding import vary_like
 
 OP = "dot_product_attention"
@@ -588,7 +588,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                                       _Cfg(scale, causal, window if lr is None else None, softcap, False, impl))
     else:
         if impl.pallas and q.shape[-1] > MAX_PALLAS_HEAD_DIM:
-            if implementation not in (None, "auto"):  # asked for by name: say so rather than fall back
+            if config.named(implementation):  # asked for by name: say so rather than fall back
                 raise ValueError(
                     f"jaxbwd.{OP}: query's head dim H must be <= {MAX_PALLAS_HEAD_DIM} for the Pallas "
                     f"kernels, got H={q.shape[-1]} (use implementation='xla' or None)"
