@@ -155,7 +155,9 @@ def _current() -> _Settings:
 def named(implementation: Optional[str]) -> bool:
     """Whether ``implementation`` names one (``"pallas"``, ``"xla"``, ``"pallas:<backend>"``)
     rather than deferring to the settings (None or ``"auto"``): a bool. Where an input has no
-    kernel, a named Pallas implementation is an error and the default falls back to XLA."""
+    kernel, a named Pallas implementation is an error and the default falls back to XLA.
+    The value is not validated (any other value counts as named; :func:`check_implementation`
+    checks it); raises nothing."""
     return implementation is not None and implementation != "auto"
 
 
@@ -323,7 +325,9 @@ def mosaic_supported(op: str, dtype, sm: int, last_dim: Optional[int] = None) ->
     ``sm`` (major * 10 + minor) with inputs of ``dtype`` whose last dim is ``last_dim``.
 
     Args: op, an op name; dtype, a dtype or None (None: False); sm, an int; last_dim, an
-    int or None (not checked). Returns: a bool. Raises: TypeError for a non-dtype ``dtype``.
+    int or None (not checked). Returns: a bool. Raises: TypeError for a non-dtype ``dtype``
+    where ``op`` has a Mosaic kernel for ``sm`` (elsewhere the answer is False without
+    reading it); TypeError or ValueError for an ``sm`` that ``int()`` does not take.
     """
     entry = MOSAIC_KERNELS.get(op, {}).get(int(sm)) if MOSAIC_AVAILABLE else None
     if entry is None or dtype is None or jax.numpy.dtype(dtype).name not in entry["dtypes"]:
@@ -349,8 +353,10 @@ def resolve_pallas_backend(implementation: Optional[str], op: str, dtype, sm: in
       ``"triton"`` or ``"mosaic"``.
 
     Raises:
-      ValueError: ``implementation="pallas:mosaic"`` for an op, generation or dtype without a
-        Mosaic kernel.
+      ValueError: ``implementation="pallas:mosaic"`` for an op, generation, dtype or last dim
+        without a Mosaic kernel, or on a jax without the Mosaic kernels (< 0.12); a malformed
+        ``JAXBWD_*`` variable (read at the first call). ``implementation`` is not otherwise
+        validated here (an unknown value reads as the settings'; :func:`resolve` checks it).
     """
     requested = _PER_CALL.get(implementation) if isinstance(implementation, str) else None
     backend = requested or pallas_backend()

@@ -36,7 +36,12 @@ from jaxbwd.vjp.elementwise import Elementwise
 
 
 class Op:
-    """A user-defined op made by :func:`define_op`; call it as ``op(*arrays, implementation=None, **static)``."""
+    """A user-defined op made by :func:`define_op`; call it as ``op(*arrays, implementation=None, **static)``.
+
+    The call returns one array of the shape and dtype ``forward`` gives; the errors it raises
+    are those listed under "Raises (when called)" in :func:`define_op`. :meth:`spec` builds
+    its registry entry (ValueError as documented there).
+    """
 
     def __init__(self, name: str, forward: Callable, backward: Callable, *, fwd: Optional[Callable],
                  pallas_backward: Optional[Callable], tangent: Optional[Callable], kernels: Sequence[str],

@@ -329,6 +329,9 @@ def read_kernel_cache(path: str) -> list[CachedKernel]:
     text with ``grid_*``, ``name``, ``num_warps``, ``num_stages``), launch dimensions (2:
     blocks, threads per block), cluster dimensions (3), dynamic shared memory (4) and the
     cubin (5). XLA's own fusions (no ``name = "..."`` in the fingerprint) are left out.
+
+    Raises: OSError (FileNotFoundError...) when ``path`` cannot be read; ValueError for
+    bytes that are not such a protobuf (an unsupported wire type).
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -359,6 +362,12 @@ def resource_usage(cubin_path: str, function: str) -> dict[str, int]:
 
     A cubin may hold helper device functions too (sm_80's ``__cuda_sm70_shflsync_*``); only
     the kernel's own entry counts.
+
+    Returns: ``{"registers", "stack", "static_smem", "local"}`` as ints (registers per
+    thread; the others in bytes).
+
+    Raises: FileNotFoundError when ``cuobjdump`` is not installed; RuntimeError when it
+    fails or lists no resource line for ``function``.
     """
     out = _run_tool("cuobjdump", "-res-usage", cubin_path)
     m = re.search(r"Function %s:\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)" % re.escape(function), out)
@@ -380,6 +389,9 @@ def sass_mix(cubin_path: str, function: str) -> dict[str, int]:
     ``_common.exp2``, has none). ``spill_stores`` and
     ``spill_loads`` count ``STL``/``LDL``: local-memory traffic, which in these kernels is
     register spilling.
+
+    Raises: FileNotFoundError when ``cuobjdump`` is not installed; RuntimeError when it
+    fails or shows no function ``function``.
     """
     sass = _run_tool("cuobjdump", "-sass", cubin_path)
     parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)

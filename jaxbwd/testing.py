@@ -42,7 +42,7 @@ Arguments of the ``check_*`` functions (their docstrings say which each takes):
 * ``impl``: ``"xla"`` or ``"pallas"`` (the kernels run in interpret mode when the default
   backend is not a GPU);
 * ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"``, the floating inputs' dtype
-  (integer inputs keep theirs);
+  (integer inputs keep theirs; another name is a KeyError);
 * ``example``: one of ``spec.examples`` (default: each of them, or the first where the
   docstring says so).
 
@@ -121,7 +121,8 @@ def implementations(spec: OpSpec) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------- checks
 def check_forward(spec: OpSpec, impl: str, dtype: str, example: Optional[Example] = None) -> None:
-    """1: the op's output equals the reference's (dtype, shape, values)."""
+    """1: the op's output equals the reference's (dtype, shape, values).
+    Raises AssertionError when the op fails it (module docstring)."""
     for ex in [example] if example else spec.examples:
         args, kwargs = _setup(ex, dtype)
         with _interpret():
@@ -134,7 +135,8 @@ def check_forward(spec: OpSpec, impl: str, dtype: str, example: Optional[Example
 
 def check_grads(spec: OpSpec, impl: str, dtype: str, example: Optional[Example] = None) -> None:
     """2: gradients equal autodiff of the reference, in the inputs' dtypes; on the Pallas path
-    every kernel of ``spec.kernels`` is in the backward's jaxpr (no silent fallback)."""
+    every kernel of ``spec.kernels`` is in the backward's jaxpr (no silent fallback).
+    Raises AssertionError when the op fails it (module docstring)."""
     for ex in [example] if example else spec.examples:
         args, kwargs = _setup(ex, dtype)
         diff = [args[i] for i in spec.diff_argnums]
@@ -153,7 +155,8 @@ def check_grads(spec: OpSpec, impl: str, dtype: str, example: Optional[Example] 
 
 
 def check_numerical_grads(spec: OpSpec) -> None:
-    """3: ``jax.test_util.check_grads`` in float64 on the XLA implementation (first example)."""
+    """3: ``jax.test_util.check_grads`` in float64 on the XLA implementation (first example).
+    Raises AssertionError (``check_grads``'s) when the op fails it."""
     from jax.test_util import check_grads as numerical
 
     with jax.enable_x64(True):
@@ -165,7 +168,8 @@ def check_numerical_grads(spec: OpSpec) -> None:
 
 def check_transforms(spec: OpSpec, impl: str, dtype: str, n: int = 3) -> None:
     """4: jit(vmap), vmap of grad, grad of vmap (unbatched args' grads summed), checkpoint and
-    scan against a Python loop of single calls (first example, ``batch_argnums`` batched)."""
+    scan against a Python loop of single calls (first example, ``batch_argnums`` batched).
+    Raises AssertionError when the op fails it (module docstring)."""
     ex = spec.examples[0]
     per = [_setup(ex, dtype, seed=i)[0] for i in range(n)]
     args, kwargs = list(per[0]), _setup(ex, dtype)[1]
@@ -209,7 +213,9 @@ def check_transforms(spec: OpSpec, impl: str, dtype: str, n: int = 3) -> None:
 
 def check_lowering(spec: OpSpec) -> None:
     """5: the backward lowers for CUDA from any machine at every ``spec.lowering`` shape, with
-    each of ``spec.kernels`` as a Triton kernel in the module."""
+    each of ``spec.kernels`` as a Triton kernel in the module. Raises AssertionError for a
+    kernel missing from the module, or for a spec without ``lowering`` shapes (an op
+    without kernels has nothing to lower: the contract does not run this check for it)."""
     assert spec.lowering, f"{spec.name} has kernels but no lowering shapes"
     for ex in spec.lowering:
         args, kwargs = ex.make(None, None)
@@ -227,7 +233,9 @@ def check_lowering(spec: OpSpec) -> None:
 
 
 def check_bad_inputs(spec: OpSpec) -> None:
-    """6: each bad input raises its error type, matching its message, naming the op."""
+    """6: each bad input raises its error type, matching its message, naming the op.
+    Raises pytest's ``Failed`` when one raises nothing, AssertionError when the message does
+    not name the op; another error type propagates."""
     for bad in spec.bad_inputs:
         args, kwargs = bad.make()
         with pytest.raises(bad.error, match=bad.match) as info:
@@ -236,7 +244,9 @@ def check_bad_inputs(spec: OpSpec) -> None:
 
 
 def check_residuals(spec: OpSpec, impl: str) -> None:
-    """7: the arrays the forward saves for the backward fit ``spec.residual_budget`` bytes."""
+    """7: the arrays the forward saves for the backward fit ``spec.residual_budget`` bytes.
+    Raises AssertionError over the budget; TypeError when ``spec.residual_budget`` is None
+    (the contract then skips this check)."""
     args, kwargs = _setup(spec.examples[0], "float32")
     f = spec.bind(args, kwargs, implementation=impl)
     with _interpret():
@@ -248,7 +258,8 @@ def check_residuals(spec: OpSpec, impl: str) -> None:
 
 def check_jvp(spec: OpSpec, impl: str, dtype: str = "float32") -> None:
     """8: ``jax.jvp`` and ``jax.linearize`` equal the reference's (first example); for an op
-    declared without forward mode, ``jax.jvp`` raises NotImplementedError naming it."""
+    declared without forward mode, ``jax.jvp`` raises NotImplementedError naming it.
+    Raises AssertionError (or pytest's ``Failed``) when the op fails it."""
     args, kwargs = _setup(spec.examples[0], dtype)
     diff = tuple(args[i] for i in spec.diff_argnums)
     f = spec.bind(args, kwargs, implementation=impl)
@@ -272,7 +283,8 @@ def check_jvp(spec: OpSpec, impl: str, dtype: str = "float32") -> None:
 def check_second_order(spec: OpSpec, impl: str) -> None:
     """9: grad of grad (a gradient penalty, ``d/dx <grad(x), v>``) equals the reference's, in
     float32 (first example). Reverse over reverse: no tangent rule needed; on the Pallas path
-    it differentiates the op's XLA backward formula (see ``define_op``'s ``pallas_backward``)."""
+    it differentiates the op's XLA backward formula (see ``define_op``'s ``pallas_backward``).
+    Raises AssertionError when the op fails it."""
     args, kwargs = _setup(spec.examples[0], "float32")
     diff = tuple(args[i] for i in spec.diff_argnums)
     f = spec.bind(args, kwargs, implementation=impl)
@@ -626,7 +638,8 @@ def check_in_bounds(spec: OpSpec) -> set:
     mode) ``jax.jvp`` launch touches only elements inside its operand where its mask is true
     (:func:`record_out_of_bounds`): the tails of rows, columns and blocks are masked.
 
-    Returns: the names of the kernels checked (none: no launch went through jaxbwd's launcher)."""
+    Returns: the names of the kernels checked (none: no launch went through jaxbwd's launcher).
+    Raises: AssertionError listing the first offending accesses."""
     forward_mode = bool(spec.forward_mode and _derivatives.FORWARD_MODE and spec.jvp_kernels)
     runs = [(dt, contextlib.nullcontext) for dt in spec.dtypes] + [("float32", small_tiles)]
     launched: set = set()
@@ -706,7 +719,9 @@ def check_programs_independent(spec: OpSpec, require_split: bool = True) -> dict
     Only launches through jaxbwd's launcher (``jaxbwd.pallas._common.call``) are seen:
     ``small_tiles`` does not reach a kernel that calls ``pl.pallas_call`` itself.
 
-    Returns: ``{(kernel, grid rank): [largest size of each grid axis]}`` over the launches seen."""
+    Returns: ``{(kernel, grid rank): [largest size of each grid axis]}`` over the launches seen.
+    Raises: AssertionError for a race, an unwritten element, gradients off the reference's,
+    or (``require_split``) a grid axis that never took two programs."""
     forward_mode = bool(spec.forward_mode and _derivatives.FORWARD_MODE and spec.jvp_kernels)
     axes: dict[tuple[str, int], list[int]] = {}  # per kernel and grid rank, each axis's largest size
     for ex in spec.examples:

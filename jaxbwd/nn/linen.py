@@ -250,7 +250,8 @@ class SwiGLUMLP(_Impl, fnn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020); submodules ``gate``, ``up``, ``down``.
 
     Call: x [..., D] -> [..., D]. ``limit`` clamps as gpt-oss. Errors: TypeError/ValueError
-    naming the module for a ``hidden`` that is not an int >= 1; then those of the ops.
+    naming the module for a ``hidden`` that is not an int >= 1 or an unknown
+    ``implementation`` (when the module is built); then those of the ops.
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -279,8 +280,9 @@ class Attention(_Impl, fnn.Module):
     Call: x [B, T, D] (optional ``segment_ids`` int [B, T], ``positions`` int [B, T] or [T])
     -> [B, T, D]. ``num_heads % num_kv_heads == 0``. Errors: TypeError/ValueError naming
     the module for a size that is not an int >= 1 (``d_model / n_heads`` is a float),
-    num_heads not a multiple of num_kv_heads, an odd head_dim or rope_theta <= 0; then
-    those of :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
+    num_heads not a multiple of num_kv_heads, an odd head_dim or rope_theta <= 0, and
+    ValueError for an unknown ``implementation`` (when the module is built); then those of
+    :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`.
     Source: Vaswani et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
 
     dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
@@ -491,7 +493,8 @@ class Conv(_Impl, fnn.Conv):
 class PixelShuffle(_Impl, fnn.Module):
     """Depth to space: [N, H, W, C*r*r] -> [N, H*r, W*r, C] (no parameters).
 
-    Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); at the
+    call those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path), kept.
     """
@@ -506,7 +509,8 @@ class PixelShuffle(_Impl, fnn.Module):
 class Upsample(_Impl, fnn.Module):
     """Nearest or bilinear upsampling of NHWC images by integer factors (no parameters).
 
-    Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); at the
+    call those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
 
     Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
     W*sw, C] for ``scale`` (sh, sw) (an int s: sh = sw = s), same dtype.

@@ -270,6 +270,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     ignored there by flax too. Otherwise (dropout, ``module``, no keys) flax's function runs.
     Source: Vaswani et al. (2017).
 
+    Shapes: query [batch..., q_len, heads, depth] (or unbatched [q_len, heads, depth]),
+    key/value [batch..., kv_len, kv_heads, depth] -> query's shape, in the dtype the
+    inputs are promoted to (``dtype``, else their promoted type), as flax.
+
     Errors: on jaxbwd's path those of :func:`jaxbwd.dot_product_attention` (e.g. ValueError
     for query heads that are not a multiple of the key heads), flax's own on flax's path.
     """
@@ -312,7 +316,7 @@ class SwiGLUMLP(nnx.Module, _Impl):
 
     Call: x [..., features] -> [..., features]; ``limit`` clamps as gpt-oss. Errors:
     TypeError/ValueError naming the module, at construction, for ``features`` or ``hidden``
-    not an int >= 1; then those of the ops.
+    not an int >= 1, or an unknown ``implementation``; then those of the ops.
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -340,9 +344,9 @@ class Attention(nnx.Module, _Impl):
     Call: x [B, T, features] (optional ``segment_ids`` int [B, T], ``positions`` int [T] or
     [B, T]) -> [B, T, features]. Errors: TypeError/ValueError naming the module, at
     construction, for a size that is not an int >= 1, num_heads not a multiple of
-    num_kv_heads, an odd head_dim or rope_theta <= 0; then those of
-    :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`. Source: Vaswani et al.
-    (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
+    num_kv_heads, an odd head_dim, rope_theta <= 0 or an unknown ``implementation``; then
+    those of :func:`jaxbwd.dot_product_attention` and :func:`jaxbwd.rope`. Source: Vaswani
+    et al. (2017); GQA, Ainslie et al. (2023); RoPE, Su et al. (2021).
 
     dtypes: x float32, bfloat16 or float16 (float64 on the XLA path); the parameters are
     float32 and the result is x promoted with them, as in flax's Dense: float32 for 16-bit
@@ -380,7 +384,8 @@ class Attention(nnx.Module, _Impl):
 class PixelShuffle(nnx.Module, _Impl):
     """Depth to space [N, H, W, C*r*r] -> [N, H*r, W*r, C] via :func:`jaxbwd.pixel_shuffle` (no state).
 
-    Errors: those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); at the
+    call those of :func:`jaxbwd.pixel_shuffle`. Source: Shi et al. (2016).
 
     dtypes: float32, bfloat16 or float16 (float64 on the XLA path), kept.
     """
@@ -396,7 +401,8 @@ class PixelShuffle(nnx.Module, _Impl):
 class Upsample(nnx.Module, _Impl):
     """Nearest or bilinear NHWC upsampling via :func:`jaxbwd.upsample2d` (no state).
 
-    Errors: those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
+    Errors: ValueError for an unknown ``implementation`` (when the module is built); at the
+    call those of :func:`jaxbwd.upsample2d`. Source: as ``jax.image.resize``.
 
     Call: x [N, H, W, C] float32, bfloat16 or float16 (float64 on the XLA path) -> [N, H*sh,
     W*sw, C] for ``scale`` (sh, sw) (an int s: sh = sw = s), same dtype.

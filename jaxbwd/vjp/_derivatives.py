@@ -601,6 +601,14 @@ class custom_op:
     ``tangent(*nondiff_args, res, *tangents) -> out_tangent``, linear in the tangents,
     computed from the fwd rule's residuals only (so a JVP that is transposed, e.g. inside
     ``lax.scan``, saves what the VJP saves).
+
+    A call returns what ``fun`` returns (one array: its shape and dtype).
+
+    Raises:
+      NotImplementedError: naming the op, for forward-mode differentiation (``jax.jvp``,
+        ``jax.linearize``, ``jax.jacfwd``) of an op without a tangent rule, or of any op on
+        jax < 0.12 (no hijax primitive); for a rule that runs a Pallas kernel in interpret
+        mode inside a ``jax.shard_map`` with ``check_vma=True``.
     """
 
     def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = (), name: Optional[str] = None,

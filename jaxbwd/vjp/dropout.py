@@ -115,9 +115,10 @@ def dropout(x, rate, *, rng=None, deterministic=False, implementation=None):
     regenerates the mask from the key in registers (reads dy, writes dx) or the same in XLA.
 
     Raises:
-      TypeError: x not floating; rate or deterministic not static.
-      ValueError: rate outside [0, 1]; rng missing or not a threefry key; unknown implementation;
-        x of symbolic shape (``jax.export``) with 0 < rate < 1 and not deterministic.
+      TypeError: x not floating; rate not a static real number or deterministic not a
+        static bool; rng not an array.
+      ValueError: rate outside [0, 1] or NaN; rng missing or not a threefry key; unknown
+        implementation; x of symbolic shape (``jax.export``) with 0 < rate < 1 and not deterministic.
       Also the errors common to every op (``help(jaxbwd)``).
 
     Source: Srivastava et al., "Dropout: A Simple Way to Prevent Neural Networks from
@@ -203,9 +204,9 @@ def bias_dropout_add(x, bias, residual, rate, *, rng=None, deterministic=False, 
     :func:`bias_add` read dy, write dx and read dx again: 3 passes of x's bytes; fused, 2.
 
     Raises:
-      TypeError: x, bias not floating; residual's dtype not x's; rate or deterministic not
-        static.
-      ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1]; rng
+      TypeError: x, bias not floating; residual's dtype not x's; rate not a static real
+        number or deterministic not a static bool; rng not an array.
+      ValueError: x rank 0; bias not [D]; residual not x's shape; rate outside [0, 1] or NaN; rng
         missing or not a threefry key; unknown implementation; with 0 < rate < 1 and not
         deterministic (the mask's 2-D view), rows (the product of x's leading dims) >= 2**31
         or x of symbolic shape (``jax.export``).

@@ -63,6 +63,10 @@ class Elementwise:
         the kernel's cost estimate (default (4, 0)).
 
     Calling ``op(x, impl, **params)`` runs the custom-derivative op; params must be hashable.
+    It returns x's shape and dtype (the formulas run in float32, float64 for float64 x).
+
+    Raises:
+      ValueError: ``saves`` is not ``"input"``, ``"output"`` or ``"branch"``.
     """
 
     def __init__(self, name: str, forward: Callable, derivative: Callable, *, saves: str = "input",
