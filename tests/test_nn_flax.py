@@ -201,6 +201,14 @@ def test_rms_norm_weight_offset_needs_kernel_path():
     chex.assert_trees_all_close(y, nnx.RMSNorm(8, use_scale=False, rngs=nnx.Rngs(0))(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="jaxbwd.nn.nnx.RMSNorm: weight_offset"):
         jnnx.RMSNorm(8, weight_offset=1.0, reduction_axes=1, rngs=nnx.Rngs(0))(x)
+    # an offset of a scale parameter that use_scale=False leaves out: refused, not ignored
+    off = r"RMSNorm: weight_offset offsets the scale parameter, .* got weight_offset=1.0 with use_scale=False"
+    with pytest.raises(ValueError, match="jaxbwd.nn." + off):
+        jnn.RMSNorm(use_scale=False, weight_offset=1.0)
+    with pytest.raises(ValueError, match="jaxbwd.nn.nnx." + off):
+        jnnx.RMSNorm(8, use_scale=False, weight_offset=1.0, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_close(jnn.RMSNorm(use_scale=False, weight_offset=0.0).apply({}, x),
+                                fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
 
 
 # ---------------------------------------------------------------------- dense, embed
@@ -659,8 +667,7 @@ def test_linen_attention_fn_shapes_flax_takes_or_rejects():
 
 def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
     """Configurations the ops do not take run flax's code: complex inputs (flax normalises
-    and multiplies complex arrays), BatchNorm momentum outside [0, 1]; RMSNorm's
-    weight_offset applies to a scale parameter only (none with use_scale=False)."""
+    and multiplies complex arrays), BatchNorm momentum outside [0, 1]."""
     xc = (_rand((2, 3, 8)) + 1j * _rand((2, 3, 8), seed=1)).astype(jnp.complex64)
     for name, kw in [("LayerNorm", {}), ("RMSNorm", {}), ("Dense", {"features": 3}), ("GroupNorm", {"num_groups": 2}),
                      ("Conv", {"features": 3, "kernel_size": (2,)}), ("BatchNorm", {"use_running_average": False})]:
@@ -678,8 +685,6 @@ def test_linen_and_nnx_modules_complex_and_out_of_range_follow_flax():
     bn = lambda m: m.apply(m.init(jax.random.PRNGKey(1), x), x, mutable=["batch_stats"])  # noqa: E731
     chex.assert_trees_all_close(bn(jnn.BatchNorm(use_running_average=False, momentum=1.5)),
                                 bn(fnn.BatchNorm(use_running_average=False, momentum=1.5)), atol=1e-5)
-    rms = jnn.RMSNorm(use_scale=False, weight_offset=1.0)
-    chex.assert_trees_all_close(rms.apply({}, x), fnn.RMSNorm(use_scale=False).apply({}, x), atol=1e-5)
     qc = (_rand((2, 4, 2, 8)) + 1j * _rand((2, 4, 2, 8), seed=2)).astype(jnp.complex64)
     chex.assert_trees_all_close(jnnx.dot_product_attention(qc, qc, qc), nnx.dot_product_attention(qc, qc, qc),
                                 atol=1e-6)

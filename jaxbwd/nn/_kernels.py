@@ -69,6 +69,14 @@ def refuse_weight_offset(module: str, mod, x, mask) -> None:
     )
 
 
+def check_weight_offset(module: str, use_scale, weight_offset) -> None:
+    """RMSNorm's ``weight_offset`` offsets the ``scale`` parameter: with ``use_scale=False``
+    there is none, and a nonzero offset would be ignored, so it is a ValueError naming ``module``."""
+    if weight_offset and not use_scale:
+        raise ValueError(f"jaxbwd.{module}: weight_offset offsets the scale parameter, which use_scale=False "
+                         f"leaves out; got weight_offset={weight_offset!r} with use_scale=False")
+
+
 def check_activation(module: str, activation) -> None:
     """GroupNorm's fused ``activation``: None or "silu" (ValueError naming ``module`` otherwise)."""
     if activation not in (None, "silu"):
@@ -106,12 +114,12 @@ def promotes_to_op_dtypes(promote, *args) -> bool:
 
 
 def rms_norm(x, scale, *, eps, weight_offset, out_dtype, impl):
-    """x [..., D] normalised over D; scale [D] or None (flax's ``use_scale=False``: no scaling,
-    so ``weight_offset``, an offset of the scale parameter, does not apply)."""
+    """x [..., D] normalised over D; scale [D] or None (flax's ``use_scale=False``: no scaling;
+    the modules refuse a nonzero ``weight_offset`` there, :func:`check_weight_offset`)."""
     ct = compute_dtype(out_dtype, x, scale)
     w = jnp.ones((x.shape[-1],), ct) if scale is None else scale.astype(ct)
-    offset = 0.0 if scale is None else weight_offset
-    y = jaxbwd.rms_norm(x.astype(ct), w, eps=eps, weight_offset=offset, implementation=impl)
+    y = jaxbwd.rms_norm(x.astype(ct), w, eps=eps, weight_offset=weight_offset if scale is not None else 0.0,
+                        implementation=impl)
     return y.astype(out_dtype if out_dtype is not None else ct)
 
 

@@ -51,12 +51,17 @@ class RMSNorm(_Impl, fnn.RMSNorm):
     (default: the promoted type of x and scale), as flax.
 
     Extra: ``weight_offset=1.0`` gives Gemma's ``(1 + scale)`` (initialise ``scale`` to zeros);
-    kernel path only (ValueError otherwise). Call: x [..., D] -> same shape.
+    kernel path only (ValueError otherwise), and with ``use_scale=True`` (a nonzero offset with
+    ``use_scale=False`` is a ValueError when the module is built). Call: x [..., D] -> same shape.
     Source: Zhang & Sennrich (2019).
     """
 
     weight_offset: float = 0.0
     implementation: Optional[str] = None
+
+    def __post_init__(self):
+        K.check_weight_offset("nn.RMSNorm", self.use_scale, self.weight_offset)
+        super().__post_init__()
 
     @fnn.compact
     def __call__(self, x, *, mask: Optional[jax.Array] = None):

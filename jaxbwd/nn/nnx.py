@@ -46,16 +46,17 @@ class RMSNorm(nnx.RMSNorm, _Impl):
     flax's ``__call__``. Call: x [..., num_features] -> same shape. Source: Zhang & Sennrich (2019).
 
     Extra: ``weight_offset=1.0`` gives Gemma's ``(1 + scale)`` (pass ``scale_init`` zeros);
-    kernel path only (ValueError otherwise).
+    kernel path only (ValueError otherwise), and with ``use_scale=True``.
 
-    Errors: ValueError for an unknown ``implementation`` (when the module is built), for
-    ``weight_offset`` off the kernel path; on the kernel path those of
+    Errors: ValueError for an unknown ``implementation`` or a nonzero ``weight_offset`` with
+    ``use_scale=False`` (when the module is built), for ``weight_offset`` off the kernel path; on the kernel path those of
     :func:`jaxbwd.rms_norm` (TypeError for float64 with ``implementation="pallas"``); flax's
     own on flax's path.
     """
 
     def __init__(self, *args, weight_offset: float = 0.0, implementation: Optional[str] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        K.check_weight_offset("nn.nnx.RMSNorm", self.use_scale, weight_offset)
         self.weight_offset = weight_offset
         self._set_impl(implementation)
 
