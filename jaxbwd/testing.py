@@ -216,7 +216,8 @@ def check_lowering(spec: OpSpec) -> None:
     each of ``spec.kernels`` as a Triton kernel in the module. Raises AssertionError for a
     kernel missing from the module, or for a spec without ``lowering`` shapes (an op
     without kernels has nothing to lower: the contract does not run this check for it)."""
-    assert spec.lowering, f"{spec.name} has kernels but no lowering shapes"
+    assert spec.lowering, (f"{spec.name} has kernels but no lowering shapes" if spec.has_kernels
+                           else f"{spec.name} has no Pallas kernels to lower (and no lowering shapes)")
     for ex in spec.lowering:
         args, kwargs = ex.make(None, None)
 
