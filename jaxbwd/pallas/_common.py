@@ -32,6 +32,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxbwd import sharding as S
 
+# Pallas's interpreter imports jax._src.pallas.fuser the first time it lowers a kernel
+# (jax 0.12), and that import registers a JAX setting (``pallas_fuser_disable_nested_fuse``)
+# that is part of every jit cache key made after it: the second call of any jitted function
+# (an op called eagerly, a user's training step) then missed its cache and compiled again.
+# Importing it with jaxbwd registers the setting before any such key is made.
+try:
+    import jax._src.pallas.fuser  # noqa: F401
+except ImportError:  # a jax without it registers no such setting
+    pass
+
 # JAX warns at every Triton lowering; one notice per process is enough.
 warnings.filterwarnings(
     "once", message=r".*Pallas Triton backend is deprecated.*", category=DeprecationWarning
