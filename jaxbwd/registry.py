@@ -434,7 +434,7 @@ _SPECS: list[OpSpec] = [
         baseline=bl.cross_entropy,
         diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
         kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
-        backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1",
+        backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1 (a loss not differentiated runs `cross_entropy_stats` alone; vocab-sharded logits, `cross_entropy_stats` then `cross_entropy_grad` per shard)",
         examples=(
             Example("6x37-mean", lambda k, dt: ((2.0 * _normal(k, (6, 37), dt), jax.random.randint(jax.random.fold_in(k, 1), (6,), 0, 37).at[2].set(-100)), {})),
             Example("2x3x50-smooth-z-sum", lambda k, dt: ((2.0 * _normal(k, (2, 3, 50), dt), jax.random.randint(jax.random.fold_in(k, 1), (2, 3), 0, 50)), {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"})),
