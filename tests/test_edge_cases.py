@@ -89,6 +89,12 @@ def test_empty_inputs_give_empty_or_zero_results(name, fn, args, impl):
         (lambda: jaxbwd.cross_entropy(jnp.ones((6, 11)), jnp.zeros(6, jnp.int32), axis=jnp.int32(-1)), TypeError, r"cross_entropy: axis must be an int or a tuple of ints"),
         # unbatched attention: a list of ints is not a (q, kv) pair of segment ids
         (lambda: jaxbwd.dot_product_attention(jnp.ones((8, 4, 16)), jnp.ones((8, 2, 16)), jnp.ones((8, 2, 16)), segment_ids=[0] * 8), ValueError, r"dot_product_attention: segment_ids must be an array .* got a sequence of length 8"),
+        # unbatched attention's shape errors show the shapes given, not with a batch axis of 1
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((2, 4, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 5, 8))), ValueError, r"value must have shape \(2, 4, 8\) \(key's shape \[S, K, H\]; unbatched\), got \(2, 5, 8\)$"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((2, 4, 8)), jnp.ones((3, 2, 6)), jnp.ones((3, 2, 6))), ValueError, r"key must have shape \[S, K, H=8\] \(query's head dim; unbatched\), got \(3, 2, 6\)$"),
+        (lambda: jaxbwd.dot_product_attention(*[jnp.ones((2, 4, 8))] * 3, segment_ids=jnp.zeros((1, 2), i32)), ValueError, r"segment_ids must have shape \(2,\) \(\[T\]; unbatched\), got \(1, 2\)$"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((2, 4, 8)), jnp.ones((3, 4, 8)), jnp.ones((3, 4, 8)), segment_ids=(jnp.zeros(2, i32), jnp.zeros(2, i32))), ValueError, r"segment_ids\[1\] must have shape \(3,\) \(\[S\]; unbatched\), got \(2,\)$"),
+        (lambda: jaxbwd.dot_product_attention(jnp.ones((2, 4, 8)), jnp.ones((3, 4, 8)), jnp.ones((3, 4, 8)), segment_ids=jnp.zeros(2, i32)), ValueError, r"segment_ids must be a pair \(\[T\], \[S\]\) when T != S \(unbatched\), got one array of shape \(2,\) for T=2, S=3$"),
     ],
 )
 def test_invalid_edge_inputs_raise(call, error, match):

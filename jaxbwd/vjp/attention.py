@@ -274,6 +274,25 @@ _attention.deftangent(_attention_tangent)
 
 
 # ----------------------------------------------------------------------------- checks
+def _check_unbatched(q, k, v, segment_ids):
+    """The shape checks that name shapes, for unbatched [T, N, H] inputs, in the caller's own
+    shapes (the batched path, which they then take with a batch axis of 1, would show that axis)."""
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"jaxbwd.{OP}: key must have shape [S, K, H={q.shape[-1]}] (query's head dim; unbatched), "
+                         f"got {tuple(k.shape)}")
+    B.check_shape(OP, "value", v, k.shape, what="(key's shape [S, K, H]; unbatched)")
+    T, S = q.shape[0], k.shape[0]
+    seg = segment_ids
+    if isinstance(seg, (tuple, list)) and len(seg) == 2 and all(hasattr(x, "shape") for x in seg):
+        B.check_shape(OP, "segment_ids[0]", seg[0], (T,), what="([T]; unbatched)")
+        B.check_shape(OP, "segment_ids[1]", seg[1], (S,), what="([S]; unbatched)")
+    elif hasattr(seg, "shape"):
+        if T != S:
+            raise ValueError(f"jaxbwd.{OP}: segment_ids must be a pair ([T], [S]) when T != S (unbatched), got one "
+                             f"array of shape {tuple(seg.shape)} for T={T}, S={S}")
+        B.check_shape(OP, "segment_ids", seg, (T,), what="([T]; unbatched)")
+
+
 def _check(q, k, v, segment_ids, scale, is_causal, sliding_window, logit_softcap):
     for name, x in (("query", q), ("key", k), ("value", v)):
         B.check_float(OP, name, x)
@@ -525,6 +544,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """
     q, k, v = query, key, value
     if all(getattr(a, "ndim", None) == 3 for a in (q, k, v)):
+        _check_unbatched(q, k, v, segment_ids)
         seg = segment_ids
         # arrays gain the batch axis; anything else goes on as it is, for the batched
         # path's check to name (a list of ints is not a (q, kv) pair)
