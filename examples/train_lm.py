@@ -309,6 +309,13 @@ def check_grads(cfg: Config, implementation: Optional[str], x, y, head: str = "f
     return worst
 
 
+def _run_name(name: str) -> str:
+    """--name: one folder name under --out (a path there could write anywhere)."""
+    if name in ("", ".", "..") or "/" in name or (os.altsep and os.altsep in name) or os.sep in name:
+        raise argparse.ArgumentTypeError(f"a run name is one folder name under --out, got {name!r}")
+    return name
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", help="a text file to train on (default: the Python stdlib sources)")
@@ -323,7 +330,7 @@ def main(argv=None) -> int:
                    help="loss of the tied head: fused linear_cross_entropy (default, logits never stored) or "
                         "unfused matmul + cross_entropy")
     p.add_argument("--check", action="store_true", help="compare first-step grads with the plain model and exit")
-    p.add_argument("--name", default=None, help="run name under runs/ (default: preset-implementation)")
+    p.add_argument("--name", default=None, type=_run_name, help="run name under --out (default: preset-implementation)")
     p.add_argument("--out", default="runs", help="output folder (default: runs/ in the current directory)")
     p.add_argument("--max-bytes", type=int, default=None, help="truncate the corpus (for quick runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

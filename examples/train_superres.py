@@ -126,6 +126,13 @@ def psnr(a, b) -> float:
     return 10 * math.log10(1.0 / max(mse, 1e-12))
 
 
+def _run_name(name: str) -> str:
+    """--name: one folder name under --out (a path there could write anywhere)."""
+    if name in ("", ".", "..") or "/" in name or (os.altsep and os.altsep in name) or os.sep in name:
+        raise argparse.ArgumentTypeError(f"a run name is one folder name under --out, got {name!r}")
+    return name
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=1000,
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--implementation", choices=["xla", "pallas"], default=None,
                    help="jaxbwd implementation (default: pallas on GPU, xla elsewhere; pallas without a GPU runs "
                         "the kernels in interpret mode, slowly)")
-    p.add_argument("--name", default=None, help="run name under --out (default: superres-IMPLEMENTATION, -r1 added with --r1)")
+    p.add_argument("--name", default=None, type=_run_name, help="run name under --out (default: superres-IMPLEMENTATION, -r1 added with --r1)")
     p.add_argument("--out", default="runs", help="output folder (default: runs/ in the current directory)")
     p.add_argument("--r1", type=float, default=None, metavar="GAMMA",
                    help="also train adversarially against a patch discriminator with an R1 gradient penalty of "

@@ -267,10 +267,13 @@ def test_output_path_probe_leaves_things_as_they_were(tmp_path):
                                         "(the discriminator downsamples twice), got GAMMA=nan, --crop 48"),
     ("train_superres", ["--crop", "5000"], "--crop must be at most 300 (the smallest training image's side), got 5000"),
     ("train_superres", ["--out", "{tmp}/small.txt"], "--out {tmp}/small.txt: is a file, not a folder"),
+    # a run name that is a path would write outside --out
+    ("train_lm", ["--name", "../../escape"], "argument --name: a run name is one folder name under --out, got '../../escape'"),
+    ("train_superres", ["--name", ".."], "argument --name: a run name is one folder name under --out, got '..'"),
 ], ids=["lm-data-missing", "lm-data-folder", "lm-data-small", "lm-max-bytes", "lm-out-file", "sr-steps", "sr-batch",
         "sr-crop-negative", "sr-lr-nan", "sr-lr-negative", "sr-adv-weight-inf", "sr-adv-weight-without-r1",
         "sr-r1-nan", "sr-crop-large",
-        "sr-out-file"])
+        "sr-out-file", "lm-name-path", "sr-name-dotdot"])
 def test_example_bad_arguments_are_argparse_errors(program, argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "small.txt").write_text("hello")
     main = _example_main(program, monkeypatch)
