@@ -139,12 +139,12 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         ([1, 2], TypeError, r"the overrides must be a mapping \(a JSON object\), got list"),
         ({"sm_90": [1]}, TypeError, r"sm_90's entries must be a mapping"),
         ({"sm_90": {key: 5}}, TypeError, rf"sm_90 {key} must be a mapping .* got int: 5"),
-        ({"sm_90": {key: {"block_m": None}}}, ValueError, r"block_m must be a power of two, got None"),
-        ({"sm_90": {key: {"block_m": "abc"}}}, ValueError, r"block_m must be a power of two, got 'abc'"),
-        ({"sm_90": {key: {"block_m": 1.7}}}, ValueError, r"block_m must be a power of two, got 1.7"),
-        ({"sm_90": {key: {"block_m": True}}}, ValueError, r"block_m must be a power of two, got True"),
-        ({"sm_90": {key: {"block_m": -64}}}, ValueError, r"block_m must be a power of two, got -64"),
-        ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be a power of two, got 48"),
+        ({"sm_90": {key: {"block_m": None}}}, ValueError, r"block_m must be an int that is a power of two, got None"),
+        ({"sm_90": {key: {"block_m": "abc"}}}, ValueError, r"block_m must be an int that is a power of two, got 'abc'"),
+        ({"sm_90": {key: {"block_m": 1.7}}}, ValueError, r"block_m must be an int that is a power of two, got 1.7"),
+        ({"sm_90": {key: {"block_m": True}}}, ValueError, r"block_m must be an int that is a power of two, got True"),
+        ({"sm_90": {key: {"block_m": -64}}}, ValueError, r"block_m must be an int that is a power of two, got -64"),
+        ({"sm_90": {key: {"block_m": 48}}}, ValueError, r"block_m must be an int that is a power of two, got 48"),
         ({"sm_90": {key: {"num_stages": 0}}}, ValueError, r"num_stages must be an int >= 1, got 0"),
         ({"sm_90": {"attention_bwd_dkdv/h64/f32": {"keys_first": 1}}}, ValueError,
          r"keys_first must be true or false, got 1"),
@@ -153,7 +153,7 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
          r"keys_first not read by the kernel there \(it reads block_m, block_n, head_split, num_stages, num_warps\)"),
         ({"sm_90": {"attention_jvp": {"keys_first": True}}}, ValueError,
          r"keys_first not read by the kernel there \(it reads block_m, block_n, head_split, num_stages, num_warps\)"),
-        ({"sm_90": {key: {"head_split": 3}}}, ValueError, r"head_split must be a power of two, got 3"),
+        ({"sm_90": {key: {"head_split": 3}}}, ValueError, r"head_split must be an int that is a power of two, got 3"),
         ({"sm_90": {"attention_fwd": {"block_k": 32}}}, ValueError, r"block_k not read by the kernel there"),
         ({"sm_90": {"norm_bwd/rms": {"block_n": 2048}}}, ValueError,
          r"block_n not read by the kernel there \(it reads blocks_per_sm, num_stages, num_warps\)"),
@@ -214,7 +214,7 @@ def test_tuning_overrides_refuse_malformed_entries(tmp_path):
         _tuning.load(str(bad))
     bad.write_text('{"sm_90": {"attention_fwd": {"block_m": 0}}}')
     with pytest.raises(ValueError, match=rf"^jaxbwd tuning file {re.escape(str(bad))}: sm_90 attention_fwd: "
-                                         r"block_m must be a power of two, got 0"):
+                                         r"block_m must be an int that is a power of two, got 0"):
         _tuning.load(str(bad))
     env = dict(os.environ, JAXBWD_TUNING=str(bad))
     out = subprocess.run([sys.executable, "-c", "import jaxbwd"], env=env, capture_output=True, text=True)

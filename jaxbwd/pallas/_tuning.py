@@ -465,7 +465,7 @@ def _check_overrides(data: Mapping, where: str = "jaxbwd tuning") -> dict[str, d
                     continue
                 pow2 = name.startswith("block_") or name in ("num_warps", "head_split")
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
-                    want = "a power of two" if pow2 else "an int >= 1"
+                    want = "an int that is a power of two" if pow2 else "an int >= 1"
                     raise ValueError(f"{where}: {a} {key}: {name} must be {want}, got {v!r}")
             out.setdefault(a, {})[key] = dict(vals)
     return out
