@@ -193,7 +193,8 @@ class Case:
 
     ``mode`` "vjp" compiles the forward and the backward (the op's ``kernels``); "jvp" the
     forward and the tangent pass of ``jax.jvp`` (its ``jvp_kernels``), whose shape name
-    starts with ``jvp:``. ``precision`` (f32 only), when set, is the
+    starts with ``jvp:``; "primal" the op evaluated alone, not differentiated (its
+    ``primal_kernels``), whose shape name starts with ``primal:``. ``precision`` (f32 only), when set, is the
     ``jax.default_matmul_precision`` the case is traced under, and its shape name starts with
     it: ``highest:`` compiles the f32 dots as 3xTF32 (``_common.dot``).
     """
@@ -216,7 +217,7 @@ class Case:
         from jaxbwd import registry
 
         spec = registry.get(self.op)
-        return spec.jvp_kernels if self.mode == "jvp" else spec.kernels
+        return {"jvp": spec.jvp_kernels, "primal": spec.primal_kernels}.get(self.mode, spec.kernels)
 
 
 DTYPES = ("float32", "bfloat16")
@@ -236,7 +237,8 @@ MATMUL_OPS = ("dot_product_attention", "conv2d", "linear_cross_entropy")
 def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
           gpus: Sequence[str] = ("h200",), precisions: Sequence[Optional[str]] = (None,)) -> list[Case]:
     """Every (op, lowering example, dtype, gpu) to compile, from the registry: the forward
-    and backward of each, and the forward and tangent pass of ops with ``jvp_kernels``;
+    and backward of each, the forward and tangent pass of ops with ``jvp_kernels``, and the
+    op alone of ops with ``primal_kernels``;
     the f32 cases of ``MATMUL_OPS`` once per ``precisions`` entry (``None``: the default,
     TF32 dots; ``"highest"``: 3xTF32), every other case once, at the default.
 
@@ -269,6 +271,8 @@ def cases(ops: Optional[Sequence[str]] = None, dtypes: Sequence[str] = DTYPES,
                         out.append(Case(spec.name, i, at + name, dt, g, precision=p))
                         if spec.jvp_kernels:
                             out.append(Case(spec.name, i, f"{at}jvp:{name}", dt, g, mode="jvp", precision=p))
+                        if spec.primal_kernels:
+                            out.append(Case(spec.name, i, f"{at}primal:{name}", dt, g, mode="primal", precision=p))
     return out
 
 
@@ -564,7 +568,8 @@ def _case_function(case: Case):
     the backward and the op's minimum bytes are well defined: every array input and ``ct``
     read once, every gradient written once. For a "jvp" case the function is
     ``jvp(*arrays, *tangents) -> (out, tangent_out)`` and the minimum bytes are the inputs and
-    tangents read once, the output and its tangent written once.
+    tangents read once, the output and its tangent written once. For a "primal" case the
+    function is the op alone, its minimum bytes the inputs read and the output written once.
     """
     import jax
     import jax.numpy as jnp
@@ -618,6 +623,8 @@ def _case_function(case: Case):
             outs = jax.eval_shape(jvp, *arrays)
             return jvp, arrays, sum(_nbytes(a) for a in arrays) + sum(_nbytes(o) for o in outs)
         out = jax.eval_shape(primal, *arrays)
+        if case.mode == "primal":
+            return primal, arrays, sum(_nbytes(a) for a in arrays) + _nbytes(out)
         arrays.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
         grads = jax.eval_shape(bwd, *arrays)
     op_min_bytes = sum(_nbytes(a) for a in arrays) + sum(_nbytes(g) for g in grads)

@@ -85,6 +85,10 @@ class OpSpec:
     # would hold a large intermediate, (inputs as ShapeDtypeStructs, budget(*args, **kwargs)):
     # compiled temp bytes of jit(jvp) on the XLA path (CPU) may not exceed the budget.
     jvp_kernels: tuple[str, ...] = ()
+    # The Pallas kernels that run when the op is evaluated without being differentiated, where
+    # they are not the forward's of ``kernels`` (cross_entropy's loss alone: its statistics
+    # kernel, no gradient written): lowered and compiled as the op's "primal" cases.
+    primal_kernels: tuple[str, ...] = ()
     jvp_memory: Optional[tuple[Example, Callable[..., int]]] = None
     # False for an op without forward mode (a define_op with a fwd and no tangent): the
     # contract then checks that jax.jvp raises NotImplementedError naming it, and
@@ -433,7 +437,7 @@ _SPECS: list[OpSpec] = [
         name="cross_entropy", family="losses", fn=losses.cross_entropy, reference=ref.cross_entropy,
         baseline=bl.cross_entropy,
         diff_argnums=(0,), static_params=("ignore_index", "label_smoothing", "z_loss", "reduction", "axis", "where"),
-        kernels=("cross_entropy_fwd", "cross_entropy_bwd"),
+        kernels=("cross_entropy_fwd", "cross_entropy_bwd"), primal_kernels=("cross_entropy_stats",),
         backward="Pallas: forward writes the unit-cotangent gradient from the row max/sum (online softmax) while the logits are on chip; backward scales it in place, skipping rows whose cotangent is 1 (a loss not differentiated runs `cross_entropy_stats` alone; vocab-sharded logits, `cross_entropy_stats` then `cross_entropy_grad` per shard)",
         examples=(
             Example("6x37-mean", lambda k, dt: ((2.0 * _normal(k, (6, 37), dt), jax.random.randint(jax.random.fold_in(k, 1), (6,), 0, 37).at[2].set(-100)), {})),

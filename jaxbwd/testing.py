@@ -213,7 +213,8 @@ def check_transforms(spec: OpSpec, impl: str, dtype: str, n: int = 3) -> None:
 
 def check_lowering(spec: OpSpec) -> None:
     """5: the backward lowers for CUDA from any machine at every ``spec.lowering`` shape, with
-    each of ``spec.kernels`` as a Triton kernel in the module. Raises AssertionError for a
+    each of ``spec.kernels`` as a Triton kernel in the module, and so does the op alone (not
+    differentiated) with each of ``spec.primal_kernels``. Raises AssertionError for a
     kernel missing from the module, or for a spec without ``lowering`` shapes (an op
     without kernels has nothing to lower: the contract does not run this check for it)."""
     assert spec.lowering, (f"{spec.name} has kernels but no lowering shapes" if spec.has_kernels
@@ -231,6 +232,16 @@ def check_lowering(spec: OpSpec) -> None:
             names = pallas_common.triton_kernel_names(pallas_common.lower_for_gpu(bwd, *args))
         for k in spec.kernels:
             assert k in names, f"{spec.name} ({ex.name}): kernel {k} missing from the CUDA module (found {names})"
+        if spec.primal_kernels:
+            def primal(*all_args):
+                f = spec.bind(list(all_args), kwargs, implementation="pallas")
+                return f(*[all_args[i] for i in spec.diff_argnums])
+
+            with config.use(interpret=False):
+                names = pallas_common.triton_kernel_names(pallas_common.lower_for_gpu(primal, *args))
+            for k in spec.primal_kernels:
+                assert k in names, (f"{spec.name} ({ex.name}): kernel {k} missing from the op's CUDA module "
+                                    f"when not differentiated (found {names})")
 
 
 def check_bad_inputs(spec: OpSpec) -> None:
