@@ -211,15 +211,16 @@ def check_transforms(spec: OpSpec, impl: str, dtype: str, n: int = 3) -> None:
             assert_close(sg[j], jnp.stack([g[j] for g in loop_grads]), tol)
 
 
-def check_lowering(spec: OpSpec) -> None:
-    """5: the backward lowers for CUDA from any machine at every ``spec.lowering`` shape, with
+def check_lowering(spec: OpSpec, example: Optional[Example] = None) -> None:
+    """5: the backward lowers for CUDA from any machine at every ``spec.lowering`` shape (or at
+    ``example``, one of them), with
     each of ``spec.kernels`` as a Triton kernel in the module, and so does the op alone (not
     differentiated) with each of ``spec.primal_kernels``. Raises AssertionError for a
     kernel missing from the module, or for a spec without ``lowering`` shapes (an op
     without kernels has nothing to lower: the contract does not run this check for it)."""
     assert spec.lowering, (f"{spec.name} has kernels but no lowering shapes" if spec.has_kernels
                            else f"{spec.name} has no Pallas kernels to lower (and no lowering shapes)")
-    for ex in spec.lowering:
+    for ex in [example] if example else spec.lowering:
         args, kwargs = ex.make(None, None)
 
         def bwd(*all_args):

@@ -298,20 +298,8 @@ def _lowering_cases():
 
 @pytest.mark.parametrize("spec,ex", _lowering_cases())
 def test_kernels_lower_for_gpu(spec, ex):
-    args, kwargs = ex.make(None, None)
-    diff_idx = spec.diff_argnums
-
-    def bwd(*all_args):
-        f = _closure(spec.fn, spec, list(all_args), kwargs, "pallas")
-        diff = [all_args[i] for i in diff_idx]
-        out, vjp = jax.vjp(f, *diff)
-        return vjp(jnp.ones_like(out))
-
-    with config.use(interpret=False):
-        text = pallas_common.lower_for_gpu(bwd, *args)
-    names = pallas_common.triton_kernel_names(text)
-    for k in spec.kernels:
-        assert k in names, f"{spec.name}: kernel {k} missing from the CUDA module (found {names})"
+    # the backward with spec.kernels, and the op alone with spec.primal_kernels
+    testing.check_lowering(spec, ex)
 
 
 def test_every_kernel_op_has_lowering_shapes():

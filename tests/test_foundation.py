@@ -237,28 +237,19 @@ def test_tuning_table_serves_every_request(arch, monkeypatch):
 
 
 def test_pallas_on_cpu_without_interpret_fails_clearly():
-    """The op names itself, the forward included (whose own formula may be XLA's), and so
-    does an op whose forward runs a kernel that is not in its table (cross_entropy's
-    ``cross_entropy_stats``, a loss not differentiated); a kernel launched directly names
-    the kernel."""
-    from jaxbwd.pallas import norms
-
+    """A kernel launch names the kernel and the op it belongs to, also a kernel outside the
+    op's backward (cross_entropy's ``cross_entropy_stats``, a loss not differentiated). What
+    launches no kernel still runs: a forward that is XLA's, an op whose backward is XLA by
+    design."""
     x, w = jnp.ones((4, 8)), jnp.ones((8,))
     with config.use(interpret=False):
-        with pytest.raises(ValueError, match=r"^jaxbwd\.rms_norm: implementation='pallas' asks for Pallas GPU kernels, "
-                                             r"but the default backend is CPU"):
+        with pytest.raises(ValueError, match=r"kernel 'rms_norm_bwd' \(of jaxbwd\.rms_norm\) .* default backend is CPU"):
             jax.grad(lambda x: jaxbwd.rms_norm(x, w, implementation="pallas").sum())(x)
-        with pytest.raises(ValueError, match=r"^jaxbwd\.rms_norm: implementation='pallas' asks"):
-            jaxbwd.rms_norm(x, w, implementation="pallas")
-        with pytest.raises(ValueError, match=r"^jaxbwd\.cross_entropy: implementation='pallas:triton' asks"):
-            jaxbwd.cross_entropy(jnp.ones((4, 10)), jnp.zeros(4, jnp.int32), implementation="pallas:triton")
-        with config.use(implementation="pallas"), pytest.raises(
-                ValueError, match=r"^jaxbwd\.silu: implementation='pallas' \(the setting: jaxbwd.config"):
-            jaxbwd.silu(x)
-        mean, rstd = jnp.zeros((4,)), jnp.ones((4,))
-        with pytest.raises(ValueError, match=r"^jaxbwd: kernel 'layer_norm_bwd' asks for Pallas GPU kernels"):
-            norms.norm_bwd(x, w, x, mean, rstd)
-
+        with pytest.raises(ValueError, match=r"kernel 'cross_entropy_stats' \(of jaxbwd\.cross_entropy\) was asked"):
+            jaxbwd.cross_entropy(jnp.ones((4, 10)), jnp.zeros(4, jnp.int32), implementation="pallas")
+        chex.assert_trees_all_close(jaxbwd.rms_norm(x, w, implementation="pallas"), jaxbwd.rms_norm(x, w), atol=1e-6)
+        chex.assert_trees_all_close(jax.grad(lambda x: jaxbwd.residual_add(x, x, implementation="pallas").sum())(x),
+                                    2 * jnp.ones_like(x))
 
 def test_implementation_is_fixed_at_trace_time():
     x, w = jnp.ones((4, 8)), jnp.ones((8,))

@@ -438,18 +438,25 @@ def num_sms() -> int:
     return int(n) if n else GPU_NUM_CORES
 
 
-def check_can_run(who: str, interpret: bool) -> None:
-    """Raises ValueError, starting with ``who``, where Pallas GPU kernels cannot run: not in
-    interpret mode, no abstract GPU to lower for (:func:`abstract_gpu`), and a CPU backend.
-    Ops check when they resolve their implementation (naming the op), every launch again
-    (naming the kernel)."""
+def _check_can_run(name: str, interpret: bool) -> None:
+    """Raises ValueError naming kernel ``name`` and the ops that launch it where Pallas GPU
+    kernels cannot run: not in interpret mode, no abstract GPU to lower for
+    (:func:`abstract_gpu`), and a CPU backend. Checked at the launch, not when an op resolves
+    its implementation: many ops asked for ``"pallas"`` launch no kernel (an XLA forward, an
+    op or input that takes XLA), and Mosaic kernels lower for CUDA from a CPU machine."""
     if interpret or _has_abstract_gpu():
         return
     if jax.default_backend() == "cpu":
+        from jaxbwd import registry  # the op table, for the message only
+
+        ops = [s.name for s in registry.ops()
+               if name in (*s.kernels, *s.jvp_kernels, *s.primal_kernels)]
+        of = f" (of {', '.join('jaxbwd.' + o for o in ops)})" if ops else ""
         raise ValueError(
-            f"{who} asks for Pallas GPU kernels, but the default backend is CPU. Use "
-            "implementation='xla', turn on interpret mode (jaxbwd.config.use(interpret=True) or "
-            "JAXBWD_INTERPRET=1), or lower for a GPU with jaxbwd.pallas.lower_for_gpu."
+            f"jaxbwd: kernel {name!r}{of} was asked to run as a Pallas GPU kernel, but the default "
+            "backend is CPU. Use implementation='xla', turn on interpret mode "
+            "(jaxbwd.config.use(interpret=True) or JAXBWD_INTERPRET=1), or lower for a GPU "
+            "with jaxbwd.pallas.lower_for_gpu."
         )
 
 
@@ -478,7 +485,7 @@ def call(
 
     ``metadata`` (string pairs, e.g. an attention kernel's score tile) is stored with the
     call where this jax's ``pallas_call`` takes it, for ``python -m jaxbwd compile``."""
-    check_can_run(f"jaxbwd: kernel {name!r}", interpret)
+    _check_can_run(name, interpret)
     key = _launch_key(kernel, name, grid, out_shape, interpret, num_warps, num_stages, flops, transcendentals,
                       bytes_accessed, input_output_aliases, metadata)
 

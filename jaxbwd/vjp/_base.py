@@ -55,8 +55,7 @@ def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool 
 
     Raises:
       ValueError: an unknown implementation name; ``implementation="pallas"`` with an input of
-        symbolic shape; the Pallas implementation (asked for by name or by the settings) on a
-        CPU backend outside interpret mode with no GPU to lower for.
+        symbolic shape.
       TypeError: ``implementation="pallas"`` (or ``"pallas:<backend>"``) with a float64 input.
     """
     kind = config.resolve(implementation, op)
@@ -94,9 +93,6 @@ def impl(implementation: Optional[str], op: str, *arrays, float64_kernels: bool 
         dtype = None if first is None else first.dtype
         last_dim = first.shape[-1] if first is not None and first.ndim else None
         backend = config.resolve_pallas_backend(implementation, op, dtype, C.sm_version(), last_dim)
-        asked = (f"implementation={implementation!r}" if implementation is not None
-                 else "implementation='pallas' (the setting: jaxbwd.config or JAXBWD_IMPLEMENTATION)")
-        C.check_can_run(f"jaxbwd.{op}: {asked}", config.interpret())
     return Impl(kind, config.interpret(), backend)
 
 
